@@ -1,0 +1,77 @@
+"""Lowerings for machines without an NPU: inductor (default) or aot_eager.
+
+Inductor gets the rewritten graph with every fused op replaced by its registered
+decomposition, traced in place by inductor's own ``replace_by_example``, so the
+compiled code is what plain inductor makes of the original subgraph: being a
+drop-in costs nothing. aot_eager runs the fused ops' reference kernels.
+"""
+
+from typing import Callable
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch.fx import GraphModule, Node
+
+from .registry import DECOMPOSITIONS, load_ops
+
+GraphPass = Callable[[GraphModule, str], None]
+
+_decompose_pass = None
+
+
+def _decompose_fused_ops_pass():
+    from torch._inductor.pattern_matcher import CallFunctionVarArgs, PatternMatcherPass, register_graph_pattern
+
+    global _decompose_pass
+    if _decompose_pass is None:
+        load_ops()
+        patterns = PatternMatcherPass(pass_name="npu_fuse_decompose_fused_ops")
+        for op, decomp in DECOMPOSITIONS.items():
+            register_graph_pattern(CallFunctionVarArgs(op), pass_dict=patterns)(_decompose_with(decomp))
+        _decompose_pass = patterns
+    return _decompose_pass
+
+
+def _decompose_with(decomp: Callable) -> Callable:
+    def handler(match, *args, **kwargs) -> None:
+        # Trace only over tensor arguments; strings, ints and bools stay constants.
+        tensors = [a for a in args if isinstance(a, Node)]
+
+        def replacement(*traced):
+            it = iter(traced)
+            return decomp(*[next(it) if isinstance(a, Node) else a for a in args], **kwargs)
+
+        match.replace_by_example(replacement, tensors)
+
+    return handler
+
+
+def decompose_fused_ops(gm: GraphModule) -> int:
+    """Replace every fused-op call in gm by its decomposition; returns how many."""
+    count = _decompose_fused_ops_pass().apply(gm.graph)
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+def compile_with_inductor(gm: GraphModule, example_inputs, graph_pass: GraphPass):
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner_compile(aten_gm: GraphModule, inputs, **kwargs):
+        graph_pass(aten_gm, "inductor")
+        decompose_fused_ops(aten_gm)
+        return compile_fx_inner(aten_gm, inputs, **kwargs)
+
+    return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+def compile_with_aot_eager(gm: GraphModule, example_inputs, graph_pass: GraphPass):
+    def run_fused(aten_gm: GraphModule, inputs):
+        graph_pass(aten_gm, "aot_eager")
+        return make_boxed_func(aten_gm.forward)
+
+    backend = aot_autograd(fw_compiler=run_fused, bw_compiler=run_fused,
+                           keep_inference_input_mutations=True)
+    return backend(gm, example_inputs)

@@ -1,0 +1,1 @@
+"""The fused custom ops, one module each (imported by ``lowering.registry.load_ops``)."""

@@ -1,0 +1,54 @@
+"""What each fused op registers besides its torch.library definition.
+
+- ``@decomposition(op)``: the op written in aten ops, used by lowerings that
+  compile aten (inductor) so that a fused op costs nothing where no NPU kernel exists.
+- ``@npu_kernel(op)``: the op's torch_npu kernel, registered for the "npu" device
+  only once torch_npu is loaded (the device type does not exist before).
+
+Every module in ``lowering/ops`` is imported by :func:`load_ops`, so adding an op
+touches nothing here.
+"""
+
+import importlib
+import pkgutil
+from typing import Callable
+
+import torch
+
+DECOMPOSITIONS: dict = {}
+_npu_kernels: list = []
+_npu_kernels_registered = False
+
+
+def decomposition(op: torch._ops.OpOverload) -> Callable:
+    def register(fn: Callable) -> Callable:
+        DECOMPOSITIONS[op] = fn
+        return fn
+
+    return register
+
+
+def npu_kernel(op) -> Callable:
+    def register(fn: Callable) -> Callable:
+        _npu_kernels.append((op, fn))
+        return fn
+
+    return register
+
+
+def load_ops() -> None:
+    from . import ops
+
+    for info in pkgutil.iter_modules(ops.__path__):
+        importlib.import_module(f"{ops.__name__}.{info.name}")
+
+
+def register_npu_kernels() -> None:
+    """Route the fused ops to torch_npu's kernels for NPU tensors (idempotent)."""
+    global _npu_kernels_registered
+    if _npu_kernels_registered:
+        return
+    load_ops()
+    for op, fn in _npu_kernels:
+        op.register_kernel("npu", fn)
+    _npu_kernels_registered = True

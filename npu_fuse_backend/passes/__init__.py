@@ -1,0 +1,1 @@
+"""Fusion passes, one module per subgraph family (imported by ``fusion.registered_fusions``)."""

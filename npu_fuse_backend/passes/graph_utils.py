@@ -1,0 +1,112 @@
+"""Small helpers the fusion passes share for reading aten FX graphs.
+
+All reads go through the ``meta["val"]`` fake tensors AOTAutograd leaves on each
+node, and shape comparisons never add guards (symbolic sizes compare only when
+they are known equal).
+"""
+
+import sys
+from typing import Any, Iterable, Optional
+
+import torch
+from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+aten = torch.ops.aten
+INT_MAX = sys.maxsize
+
+
+def val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, Node) else node
+
+
+def is_call(node: Any, *targets) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def rank(node: Node) -> Optional[int]:
+    v = val(node)
+    return v.dim() if isinstance(v, torch.Tensor) else None
+
+
+def size_eq(a, b) -> bool:
+    """True when two sizes (ints or SymInts) are known equal, without guarding."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return statically_known_true(a == b)
+
+
+def shape_eq(a, b) -> bool:
+    return len(a) == len(b) and all(size_eq(x, y) for x, y in zip(a, b))
+
+
+def static_int(x: Any) -> Optional[int]:
+    """A Python int for an int argument or a node holding a non-symbolic int."""
+    if isinstance(x, Node):
+        x = val(x)
+    if isinstance(x, torch.SymInt):
+        x = x.node.maybe_as_int()
+    return x if isinstance(x, int) else None
+
+
+def norm_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def broadcasts_to(small, big) -> bool:
+    """``small`` broadcasts to exactly ``big`` (it may not grow ``big``)."""
+    if len(small) > len(big):
+        return False
+    for s, b in zip(reversed(small), reversed(big)):
+        if not (size_eq(s, 1) or size_eq(s, b)):
+            return False
+    return True
+
+
+def slice_args(node: Node):
+    """(dim, start, end, step) of an ``aten.slice.Tensor`` node, defaults filled in."""
+    args = list(node.args) + [None] * (5 - len(node.args))
+    dim = node.kwargs.get("dim", args[1] if args[1] is not None else 0)
+    start = node.kwargs.get("start", args[2] if args[2] is not None else 0)
+    end = node.kwargs.get("end", args[3] if args[3] is not None else INT_MAX)
+    step = node.kwargs.get("step", args[4] if args[4] is not None else 1)
+    return dim, start, end, step
+
+
+def is_noop_slice(node: Node) -> bool:
+    if not is_call(node, aten.slice.Tensor):
+        return False
+    src = val(node.args[0])
+    dim, start, end, step = slice_args(node)
+    dim = norm_dim(dim, src.dim())
+    end_i = static_int(end)
+    return (static_int(start) == 0 and static_int(step) == 1
+            and (end_i == INT_MAX or (end_i is not None and size_eq(src.shape[dim], end_i))))
+
+
+def skip_noop_slices(node: Any) -> Any:
+    """Follow ``x[:, :, :]``-style identity slices back to the sliced tensor."""
+    while is_noop_slice(node):
+        node = node.args[0]
+    return node
+
+
+def users_outside(nodes: Iterable[Node], outputs: Iterable[Node]) -> Optional[Node]:
+    """An intermediate of a subgraph that has a user outside it, else None.
+
+    ``nodes`` are the subgraph's intermediates; ``outputs`` are the nodes whose
+    uses are redirected to the replacement (they may have any users).
+    """
+    inside = set(nodes) | set(outputs)
+    for node in nodes:
+        if node in outputs:
+            continue
+        for user in node.users:
+            if user not in inside:
+                return node
+    return None
+
+
+def describe(node: Node) -> str:
+    target = getattr(node.target, "__name__", str(node.target))
+    return f"{node.name} ({target})"
