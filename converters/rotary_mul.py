@@ -7,6 +7,8 @@ Atlas A2/A3 run half mode on ``RotaryMul`` and interleave on
 multiple of 64), else ``RotaryPositionEmbeddingGrad``.
 """
 
+from typing import Optional
+
 import torch
 from torchair._ge_concrete_graph import ge_apis as ge
 from torchair._ge_concrete_graph.fx2ge_converter import declare_supported, register_fx_node_ge_converter
@@ -31,8 +33,10 @@ def convert_rotary_mul(x: Tensor, r1: Tensor, r2: Tensor, rotary_mode: str = "ha
     return ge.RotaryPositionEmbedding(x, r1, r2, mode=MODES[rotary_mode])
 
 
-def _rotary_mul_grad_applies(x: Tensor, rotary_mode: str) -> bool:
-    head_dim = x.symsize[-1] if x.rank > 0 else None
+def _rotary_mul_grad_applies(x, rotary_mode: str) -> bool:
+    if x is None:  # RotaryMulGrad needs x; RotaryPositionEmbeddingGrad takes it as optional
+        return False
+    head_dim = x.symsize[-1]
     return (resolve_soc() != ASCEND950 and rotary_mode == "half"
             and isinstance(head_dim, int) and head_dim % 64 == 0)
 
@@ -43,7 +47,7 @@ def _rotary_mul_grad_applies(x: Tensor, rotary_mode: str) -> bool:
             rotary_mode="interleave"),
 ])
 @register_fx_node_ge_converter(torch.ops.npu_fuse.rotary_mul_backward.default)
-def convert_rotary_mul_backward(grad: Tensor, x: Tensor, r1: Tensor, r2: Tensor, rotary_mode: str = "half",
+def convert_rotary_mul_backward(grad: Tensor, x: Optional[Tensor], r1: Tensor, r2: Tensor, rotary_mode: str = "half",
                                 need_backward: bool = True, meta_outputs=None):
     if _rotary_mul_grad_applies(x, rotary_mode):
         return ge.RotaryMulGrad(x, r1, r2, grad, need_backward=need_backward)

@@ -64,7 +64,10 @@ def compile_with_inductor(gm: GraphModule, example_inputs, graph_pass: GraphPass
         decompose_fused_ops(aten_gm)
         return compile_fx_inner(aten_gm, inputs, **kwargs)
 
-    return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+    # AOTAutograd's cache would skip inner_compile, and with it the passes and their
+    # report; inductor's own FX graph cache still applies to the rewritten graphs.
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
 
 def compile_with_aot_eager(gm: GraphModule, example_inputs, graph_pass: GraphPass):

@@ -4,6 +4,8 @@
 is torch_npu's ``npu_rotary_mul`` (GE ``RotaryMul`` / ``RotaryPositionEmbedding``).
 """
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -58,22 +60,33 @@ def _(x, r1, r2, rotary_mode="half"):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def check_rotary_mul_backward_args(grad, x, r1, r2, rotary_mode, need_backward) -> None:
+    if x is None and need_backward:
+        raise ValueError("npu_fuse.rotary_mul_backward: need_backward=True (dr1, dr2) needs x, got None")
+    if x is not None and x.shape != grad.shape:
+        raise ValueError(f"npu_fuse.rotary_mul_backward: grad shape {tuple(grad.shape)} != "
+                         f"x shape {tuple(x.shape)}")
+    check_rotary_mul_args(grad if x is None else x, r1, r2, rotary_mode)
+
+
 @torch.library.custom_op("npu_fuse::rotary_mul_backward", mutates_args=())
-def rotary_mul_backward(grad: Tensor, x: Tensor, r1: Tensor, r2: Tensor, rotary_mode: str = "half",
+def rotary_mul_backward(grad: Tensor, x: Optional[Tensor], r1: Tensor, r2: Tensor, rotary_mode: str = "half",
                         need_backward: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dr1, dr2); dr1/dr2 are zeros when ``need_backward`` is False."""
-    check_rotary_mul_args(x, r1, r2, rotary_mode)
+    """(dx, dr1, dr2). With ``need_backward`` False only dx is computed (dr1/dr2 are
+    zeros) and x may be None: dx does not depend on x."""
+    check_rotary_mul_backward_args(grad, x, r1, r2, rotary_mode, need_backward)
     return rotary_mul_backward_reference(grad, x, r1, r2, rotary_mode, need_backward)
 
 
 @decomposition(torch.ops.npu_fuse.rotary_mul_backward.default)
 def rotary_mul_backward_reference(grad, x, r1, r2, rotary_mode="half", need_backward=True):
-    dtype = compute_dtype(x.dtype)
-    g, xf, c, s = grad.to(dtype), x.to(dtype), r1.to(dtype), r2.to(dtype)
+    dtype = compute_dtype(grad.dtype)
+    g, c, s = grad.to(dtype), r1.to(dtype), r2.to(dtype)
     # The adjoint of x -> x*c + R(x)*s is g -> g*c + R^T(g*s), and R^T = -R.
-    dx = (g * c - rotate(g * s, rotary_mode)).to(x.dtype)
+    dx = (g * c - rotate(g * s, rotary_mode)).to(grad.dtype)
     if not need_backward:
         return dx, torch.zeros_like(r1), torch.zeros_like(r2)
+    xf = x.to(dtype)
     dr1 = (g * xf).sum_to_size(r1.shape).to(r1.dtype)
     dr2 = (g * rotate(xf, rotary_mode)).sum_to_size(r2.shape).to(r2.dtype)
     return dx, dr1, dr2
@@ -81,8 +94,8 @@ def rotary_mul_backward_reference(grad, x, r1, r2, rotary_mode="half", need_back
 
 @rotary_mul_backward.register_fake
 def _(grad, x, r1, r2, rotary_mode="half", need_backward=True):
-    check_rotary_mul_args(x, r1, r2, rotary_mode)
-    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+    check_rotary_mul_backward_args(grad, x, r1, r2, rotary_mode, need_backward)
+    return (torch.empty_like(grad, memory_format=torch.contiguous_format),
             torch.empty_like(r1, memory_format=torch.contiguous_format),
             torch.empty_like(r2, memory_format=torch.contiguous_format))
 

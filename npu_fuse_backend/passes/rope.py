@@ -19,6 +19,12 @@ outside the subgraph, and the rotated tensor is the one multiplied by cos.
 
 Replacement: one ``rotary_mul(x, cos, sin, mode)``, with casts to the dtype eager
 would compute in (type promotion) and unsqueezes to make cos/sin 4-D.
+
+Backward graphs. AOTAutograd partitions before our passes run, so the backward of
+a RoPE site reaches us decomposed: ``dx = g * cos + R^T(g * sin)``, R^T built by
+autograd from ``slice_backward``/``slice_scatter`` (or ``cat``/``stack`` of the
+grad's pieces). :func:`match_rotation_transpose` recognises it and the site becomes
+``rotary_mul_backward(g, None, cos, sin, mode, need_backward=False)[0]``.
 """
 
 import dataclasses
@@ -201,6 +207,79 @@ def match_rotation(node) -> Union[Rotation, str, None]:
     return None
 
 
+def _is_zeros(node) -> bool:
+    return is_call(node, aten.zeros.default) or (is_call(node, aten.full.default) and node.args[1] == 0)
+
+
+def _placed(node) -> Optional[tuple]:
+    """(t, start, end, step, nodes) when node writes t into zeros at a last-dim slice."""
+    if is_call(node, aten.slice_backward.default):
+        t, _, dim, start, end, step = node.args
+        nodes = [node]
+    elif is_call(node, aten.slice_scatter.default) and _is_zeros(node.args[0]):
+        t = node.args[1]
+        dim, start, end, step = (list(node.args[2:]) + [0, 0, INT_MAX, 1][len(node.args) - 2:])[:4]
+        dim, start, end, step = (node.kwargs.get(k, v) for k, v in
+                                 zip(("dim", "start", "end", "step"), (dim, start, end, step)))
+        nodes = [node, node.args[0]]
+    else:
+        return None
+    ndim = rank(node)
+    size = static_int(val(node).shape[-1])
+    start, end, step = static_int(start), static_int(end), static_int(step)
+    if norm_dim(dim, ndim) != ndim - 1 or None in (start, end, step, size):
+        return None
+    return t, start, min(end, size), step, nodes
+
+
+def match_rotation_transpose(node) -> Optional[Rotation]:
+    """R^T(y) rooted at node, as autograd writes it; Rotation.source is y."""
+    if is_call(node, aten.cat.default) and len(node.args[0]) == 2:  # backward of split + cat
+        dim = node.args[1] if len(node.args) > 1 else 0
+        first, second = node.args[0]
+        neg_in = _negated(second)
+        if norm_dim(dim, rank(node)) == rank(node) - 1 and neg_in is not None:
+            hi, lo = _last_dim_piece(first), _last_dim_piece(neg_in)
+            size = static_int(val(node).shape[-1])
+            if hi and lo and hi[0] is lo[0] and lo[1] == 0 and hi[1] == lo[2] and \
+                    size is not None and hi[2] == size == 2 * lo[2]:
+                return Rotation(hi[0], "half", [node, second, *hi[4], *lo[4]])
+        return None
+    if is_call(node, aten.add.Tensor) and len(node.args) == 2 and node.kwargs.get("alpha", 1) == 1:
+        size = static_int(val(node).shape[-1])
+        for a, b in (node.args, node.args[::-1]):
+            pa, pb = _placed(a), _placed(b)
+            if not (pa and pb) or size is None:
+                continue
+            neg_in = _negated(pa[0])
+            if neg_in is None:
+                continue
+            half = size // 2
+            if pa[1:4] == (half, size, 1) and pb[1:4] == (0, half, 1) and size % 2 == 0:
+                hi, lo = _last_dim_piece(pb[0]), _last_dim_piece(neg_in)
+                if hi and lo and hi[0] is lo[0] and (lo[1], lo[2], hi[1], hi[2]) == (0, half, half, size):
+                    return Rotation(hi[0], "half", [node, pa[0], *pa[4], *pb[4], *hi[4], *lo[4]])
+            if pa[1] == 1 and pb[1] == 0 and pa[3] == pb[3] == 2:
+                even, odd = _pair_lane(neg_in), _pair_lane(pb[0])
+                if even and odd and even[0] is odd[0] and even[1] == 0 and odd[1] == 1:
+                    nodes = [node, pa[0], *pa[4], *pb[4], *even[2], *odd[2]]
+                    return Rotation(even[0], "interleave", list(dict.fromkeys(nodes)))
+        return None
+    if is_call(node, *VIEWS):  # backward of unbind + stack
+        stacked = _stacked_pair(node.args[0])
+        if stacked is None:
+            return None
+        first, second, stack_nodes = stacked
+        neg_in = _negated(second)
+        if neg_in is None:
+            return None
+        odd, even = _pair_lane(first), _pair_lane(neg_in)
+        if odd and even and odd[0] is even[0] and odd[1] == 1 and even[1] == 0:
+            nodes = [node, second, *stack_nodes, *odd[2], *even[2]]
+            return Rotation(odd[0], "interleave", list(dict.fromkeys(nodes)))
+    return None
+
+
 @register_fusion
 class RotaryMulFusion(FusionPass):
     """Full-width RoPE on q or k, half or interleave, -> one rotary_mul."""
@@ -227,7 +306,7 @@ class RotaryMulFusion(FusionPass):
         terms = add.args
         if not all(is_call(t, aten.mul.Tensor) and all(isinstance(a, Node) for a in t.args[:2])
                    for t in terms):
-            return None
+            return self._match_backward(add, terms)
         reason = None
         for cos_term, sin_term in (terms, terms[::-1]):
             for i in (0, 1):
@@ -245,10 +324,27 @@ class RotaryMulFusion(FusionPass):
                 reason = reason or (
                     f"the tensor multiplied by cos ({cos_term.args[0].name} or {cos_term.args[1].name}) "
                     f"is not the rotated tensor {rot.source.name}")
-        return self.near_miss(add, reason) if reason else None
+        return self.near_miss(add, reason) if reason else self._match_backward(add, terms)
+
+    def _match_backward(self, add: Node, terms) -> Union[Rewrite, NearMiss, None]:
+        """dx = g * cos + R^T(g * sin), in a backward graph."""
+        for cos_term, rt_node in (terms, terms[::-1]):
+            rt = match_rotation_transpose(rt_node)
+            if rt is None:
+                continue
+            if not (is_call(rt.source, aten.mul.Tensor) and is_call(cos_term, aten.mul.Tensor)):
+                return None
+            sin_term = rt.source
+            for i, j in ((0, 0), (0, 1), (1, 0), (1, 1)):
+                if sin_term.args[i] is cos_term.args[j]:
+                    grad, sin, cos = sin_term.args[i], sin_term.args[1 - i], cos_term.args[1 - j]
+                    nodes = list(dict.fromkeys([cos_term, rt_node, sin_term, *rt.nodes]))
+                    return self._rewrite(add, rt, x=grad, cos=cos, sin=sin, extra=nodes, backward=True)
+            return self.near_miss(add, "the gradient multiplied by cos is not the one multiplied by sin")
+        return None
 
     def _rewrite(self, anchor: Node, rot: Rotation, x: Node, cos: Node, sin: Node,
-                 extra: list) -> Union[Rewrite, NearMiss]:
+                 extra: list, backward: bool = False) -> Union[Rewrite, NearMiss]:
         nodes = list(dict.fromkeys([*extra, *rot.nodes]))
         problem = self._check(anchor, x, cos, sin, nodes)
         if problem:
@@ -261,10 +357,15 @@ class RotaryMulFusion(FusionPass):
             if lift:
                 xx = b.call(aten.unsqueeze.default, xx, 0)
             cc, ss = _to_rank4(b, cc), _to_rank4(b, ss)
-            out = b.call(torch.ops.npu_fuse.rotary_mul.default, xx, cc, ss, rot.mode)
+            if backward:
+                grads = b.call(torch.ops.npu_fuse.rotary_mul_backward.default, xx, None, cc, ss, rot.mode, False)
+                out = b.call(operator.getitem, grads, 0)
+            else:
+                out = b.call(torch.ops.npu_fuse.rotary_mul.default, xx, cc, ss, rot.mode)
             return b.call(aten.squeeze.dim, out, 0) if lift else out
 
-        return Rewrite(anchor, nodes, self.op, build, detail=f"mode={rot.mode}")
+        op = "rotary_mul_backward" if backward else self.op
+        return Rewrite(anchor, nodes, op, build, detail=f"mode={rot.mode}")
 
     def _check(self, anchor: Node, x: Node, cos: Node, sin: Node, nodes: list) -> Optional[str]:
         xv, cv, sv = val(x), val(cos), val(sin)

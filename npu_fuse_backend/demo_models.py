@@ -1,0 +1,199 @@
+"""Small built-in models written the way real model code is, for the demo, tests
+and benchmarks. Nothing here knows about npu_fuse: they are plain PyTorch.
+"""
+
+import dataclasses
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclasses.dataclass
+class DecoderConfig:
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 2  # GQA: k/v with fewer heads than q
+    head_dim: int = 64
+    intermediate: int = 512
+    layers: int = 1
+    rope_theta: float = 10000.0
+    max_positions: int = 512
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+# -- Hugging Face Llama style: rotate_half, cos/sin from position_ids -----------------
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+class LlamaRotaryEmbedding(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x, position_ids):
+        inv_freq = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
+        freqs = (inv_freq @ position_ids[:, None, :].float()).transpose(1, 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.q_proj = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        c = self.cfg
+        q = self.q_proj(x).view(b, s, c.heads, c.head_dim).transpose(1, 2)  # BNSD
+        k = self.k_proj(x).view(b, s, c.kv_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, c.kv_heads, c.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        rep = c.heads // c.kv_heads
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(c.head_dim)
+        mask = torch.full((s, s), float("-inf"), device=x.device, dtype=scores.dtype).triu(1)
+        probs = torch.softmax(scores + mask, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = (probs @ v).transpose(1, 2).reshape(b, s, -1)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate, cfg.hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """A Llama-style decoder stack: embeddings in, hidden states out."""
+
+    def __init__(self, cfg: DecoderConfig = DecoderConfig()):
+        super().__init__()
+        self.rotary_emb = LlamaRotaryEmbedding(cfg)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden)
+
+    def forward(self, x, position_ids):
+        cos, sin = self.rotary_emb(x, position_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+
+# -- GPT-J style: interleaved pairs, rotate_every_two, BSND ---------------------------
+def rotate_every_two(x):
+    x1 = x[:, :, :, ::2]
+    x2 = x[:, :, :, 1::2]
+    x = torch.stack((-x2, x1), dim=-1)
+    return x.flatten(-2)
+
+
+class GPTJAttention(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.heads * cfg.head_dim, bias=False)
+        self.out = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
+        sinusoid = torch.einsum("i,j->ij", torch.arange(cfg.max_positions).float(), inv_freq)
+        self.register_buffer("embed_positions", torch.cat((sinusoid.sin(), sinusoid.cos()), dim=1),
+                             persistent=False)
+
+    def forward(self, x, position_ids):
+        b, s, _ = x.shape
+        c = self.cfg
+        q, k, v = self.qkv(x).view(b, s, 3, c.heads, c.head_dim).unbind(2)  # BSND
+        sincos = self.embed_positions[position_ids]
+        sin, cos = torch.split(sincos, c.head_dim // 2, dim=-1)
+        sin = torch.repeat_interleave(sin[:, :, None, :], 2, 3).to(x.dtype)
+        cos = torch.repeat_interleave(cos[:, :, None, :], 2, 3).to(x.dtype)
+        q = (q * cos) + (rotate_every_two(q) * sin)
+        k = (k * cos) + (rotate_every_two(k) * sin)
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              is_causal=True)
+        return self.out(attn.transpose(1, 2).reshape(b, s, -1))
+
+
+class GPTJModel(nn.Module):
+    def __init__(self, cfg: DecoderConfig = DecoderConfig(kv_heads=4)):
+        super().__init__()
+        self.layers = nn.ModuleList(GPTJAttention(cfg) for _ in range(cfg.layers))
+        self.norms = nn.ModuleList(nn.LayerNorm(cfg.hidden) for _ in range(cfg.layers))
+
+    def forward(self, x, position_ids):
+        for norm, attn in zip(self.norms, self.layers):
+            x = x + attn(norm(x), position_ids)
+        return x
+
+
+@dataclasses.dataclass
+class DemoCase:
+    name: str
+    make: Callable[[], nn.Module]
+    inputs: Callable[[torch.dtype], tuple]
+
+
+def _hidden_and_positions(batch=2, seq=64, hidden=256):
+    def make(dtype):
+        x = torch.randn(batch, seq, hidden, dtype=dtype)
+        return x, torch.arange(seq).expand(batch, seq)
+
+    return make
+
+
+def demo_cases(layers: int = 1, seq: int = 64) -> list:
+    """The models the demo compiles (later fusions add theirs here)."""
+    return [
+        DemoCase("llama-decoder", lambda: LlamaModel(DecoderConfig(layers=layers)),
+                 _hidden_and_positions(seq=seq)),
+        DemoCase("gptj-attention", lambda: GPTJModel(DecoderConfig(kv_heads=4, layers=layers)),
+                 _hidden_and_positions(seq=seq)),
+    ]
