@@ -4,7 +4,7 @@ Atlas A2/A3 run half mode on ``RotaryMul`` and interleave on
 ``RotaryPositionEmbedding(mode=1)``; Ascend950 runs both on
 ``RotaryPositionEmbedding`` with the mode attribute. The backward uses
 ``RotaryMulGrad`` where its kernel applies (A2/A3, half, static head dim a
-multiple of 64), else ``RotaryPositionEmbeddingGrad``.
+multiple of 64, x given), else ``RotaryPositionEmbeddingGrad``.
 """
 
 from typing import Optional
@@ -51,4 +51,7 @@ def convert_rotary_mul_backward(grad: Tensor, x: Optional[Tensor], r1: Tensor, r
                                 need_backward: bool = True, meta_outputs=None):
     if _rotary_mul_grad_applies(x, rotary_mode):
         return ge.RotaryMulGrad(x, r1, r2, grad, need_backward=need_backward)
-    return ge.RotaryPositionEmbeddingGrad(grad, r1, r2, x, mode=MODES[rotary_mode])
+    # torchair's RotaryPositionEmbeddingGrad API requires x. Without x (a fused
+    # backward graph: need_backward is False) any tensor of x's shape will do, since
+    # dx does not depend on x and dcos/dsin are then not used.
+    return ge.RotaryPositionEmbeddingGrad(grad, r1, r2, grad if x is None else x, mode=MODES[rotary_mode])

@@ -6,16 +6,12 @@ prologue into Ascend NPU ops, with a fallback lowering everywhere else.
 ``get_reports()`` says, per compiled graph, what fused and why near-misses did not.
 """
 
-import torch
-
 import lowering  # noqa: F401  (defines the npu_fuse:: ops)
 
 from . import config
 from .backend import npu_fuse_backend, run_fusion_passes
 from .fusion import FusionPass, Rewrite, register_fusion
 from .report import GraphReport, Match, NearMiss, clear_reports, get_reports
-
-torch._dynamo.register_backend(npu_fuse_backend, name="npu_fuse")
 
 __all__ = [
     "FusionPass", "GraphReport", "Match", "NearMiss", "Rewrite", "clear_reports", "config",

@@ -1,0 +1,53 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import npu_fuse_backend as nf  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile_state():
+    torch._dynamo.reset()
+    nf.clear_reports()
+    torch.manual_seed(0)
+    yield
+    torch._dynamo.reset()
+
+
+def compile_fused(fn, *args, fallback="aot_eager", dynamic=False, **patches):
+    """Run fn through the npu_fuse backend; returns (output, reports)."""
+    nf.clear_reports()
+    torch._dynamo.reset()
+    with nf.config.patch(fallback=fallback, **patches):
+        out = torch.compile(fn, backend="npu_fuse", dynamic=dynamic, fullgraph=True)(*args)
+    return out, nf.get_reports()
+
+
+def fused_ops(reports) -> list:
+    return [m.op for r in reports for m in r.matches]
+
+
+def near_miss_reasons(reports) -> list:
+    return [n.reason for r in reports for n in r.near_misses]
+
+
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def assert_close(got, expected, dtype=torch.float32):
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+def assert_no_worse_than_eager(got, eager, exact):
+    """Low-precision check: the fused result is at least about as close to a float64
+    reference as eager's own result in the same dtype is."""
+    assert got.dtype == eager.dtype
+    err_got = (got.double() - exact.double()).abs().max().item()
+    err_eager = (eager.double() - exact.double()).abs().max().item()
+    atol = TOL[eager.dtype][0] if eager.dtype in TOL else 1e-6
+    assert err_got <= 1.5 * err_eager + atol, f"fused error {err_got:.3g} vs eager error {err_eager:.3g}"

@@ -1,0 +1,68 @@
+"""GE converters, through torchair's real FX->GE conversion (offline: no CANN, no NPU)."""
+
+import pytest
+import torch
+
+import npu_fuse_backend as nf
+from torchair_offline import ge_graphs_of, op_types, torchair_dir
+
+pytestmark = pytest.mark.skipif(not (torchair_dir() / "torchair").is_dir(),
+                                reason="torchair not fetched: run `make test`")
+
+ROTATE_HALF_OPS = {"StridedSliceV2", "Neg", "ConcatV2"}
+
+
+def rotate_half(x):
+    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+
+def rotate_every_two(x):
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def rope_qk(rotate):
+    def fn(q, k, cos, sin):
+        return (q * cos + rotate(q) * sin) * 2 + (k * cos + rotate(k) * sin)
+    return fn
+
+
+def qk_tables(grad=False, head_dim=128):
+    q = torch.randn(2, 16, 4, head_dim, requires_grad=grad)
+    k = torch.randn(2, 16, 4, head_dim, requires_grad=grad)
+    cos, sin = torch.randn(1, 16, 1, head_dim), torch.randn(1, 16, 1, head_dim)
+    return q, k, cos, sin
+
+
+def test_unfused_graph_has_the_rotate_half_ops():
+    (graph,) = ge_graphs_of(rope_qk(rotate_half), *qk_tables(), fusion=False)
+    assert ROTATE_HALF_OPS <= set(op_types(graph)) and "RotaryMul" not in op_types(graph)
+
+
+def test_half_mode_becomes_one_rotary_mul_per_site():
+    (graph,) = ge_graphs_of(rope_qk(rotate_half), *qk_tables())
+    types = op_types(graph)
+    assert types.count("RotaryMul") == 2
+    assert not ROTATE_HALF_OPS & set(types)
+
+
+def test_interleave_mode_becomes_rotary_position_embedding_mode_1():
+    (graph,) = ge_graphs_of(rope_qk(rotate_every_two), *qk_tables())
+    ropes = [op for op in graph.op if op.type == "RotaryPositionEmbedding"]
+    assert len(ropes) == 2 and all(op.attr["mode"].i == 1 for op in ropes)
+    assert not {"StridedSliceV2", "Neg", "Pack", "ConcatV2"} & set(op_types(graph))
+
+
+def test_ascend950_uses_rotary_position_embedding_for_half_mode():
+    with nf.config.patch(soc="Ascend950"):
+        (graph,) = ge_graphs_of(rope_qk(rotate_half), *qk_tables())
+    ropes = [op for op in graph.op if op.type == "RotaryPositionEmbedding"]
+    assert len(ropes) == 2 and all(op.attr["mode"].i == 0 for op in ropes)
+    assert "RotaryMul" not in op_types(graph)
+
+
+def test_training_backward_graph_gets_one_grad_op_per_site():
+    fw, bw = ge_graphs_of(rope_qk(rotate_half), *qk_tables(grad=True))
+    assert op_types(fw).count("RotaryMul") == 2
+    bw_types = op_types(bw)
+    assert bw_types.count("RotaryPositionEmbeddingGrad") == 2
+    assert not ROTATE_HALF_OPS & set(bw_types)
