@@ -1,0 +1,58 @@
+"""Shared helpers: timing side by side, and writing results with their command."""
+
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def median_ms(fn, args, repeat: int) -> float:
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn(*args)
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def interleaved_ms(fns: dict, args, rounds: int, repeat: int) -> dict:
+    """Median latency of each fn, measured in alternating rounds so that machine noise
+    hits all of them alike."""
+    per_fn = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            per_fn[name].append(median_ms(fn, args, repeat))
+    return {name: statistics.median(v) for name, v in per_fn.items()}
+
+
+def write_results(name: str, rows: list, notes: str, markdown: str) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    meta = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+    }
+    (RESULTS / f"{name}.json").write_text(json.dumps({**meta, "notes": notes, "rows": rows}, indent=2))
+    header = "\n".join(f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in meta.items())
+    path = RESULTS / f"{name}.md"
+    path.write_text(f"# {name}\n\n{header}\n\n{notes}\n\n{markdown}\n")
+    return path
+
+
+def table(rows: list, columns: list) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(row[c]) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
