@@ -66,3 +66,14 @@ def test_training_backward_graph_gets_one_grad_op_per_site():
     bw_types = op_types(bw)
     assert bw_types.count("RotaryPositionEmbeddingGrad") == 2
     assert not ROTATE_HALF_OPS & set(bw_types)
+
+
+def test_softmax_backward_becomes_one_softmax_grad_ext():
+    def attention(q, k, v):
+        return torch.softmax((q @ k.transpose(-1, -2)) * 0.125, dim=-1) @ v
+
+    qkv = [torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3)]
+    fw, bw = ge_graphs_of(attention, *qkv)
+    ext = [op for op in bw.op if op.type == "SoftmaxGradExt"]
+    assert len(ext) == 1 and ext[0].attr["axes"].i == -1 and ext[0].attr["keep_dims"].b
+    assert not {"SoftmaxGrad", "ReduceSumD", "ReduceSum", "Sub"} & set(op_types(bw))

@@ -1,0 +1,56 @@
+"""npu_fuse::softmax_grad_ext — softmax backward with a scale (spec section 3).
+
+``y = x2 * x1 * (grad - sum(grad * x1, axes, keepdim=True))``, x1 the softmax
+output, x2 a scale (scalar-like or grad's shape). GE: ``SoftmaxGradExt``.
+"""
+
+import torch
+from torch import Tensor
+
+from ..registry import decomposition
+from ..rope_math import compute_dtype
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_softmax_grad_ext_args(grad: Tensor, x1: Tensor, x2: Tensor, axes: list, keep_dims: bool) -> None:
+    """Raise ValueError naming the first rule of the contract the arguments break."""
+    name = "npu_fuse.softmax_grad_ext"
+    if grad.shape != x1.shape:
+        raise ValueError(f"{name}: grad and x1 must have equal shapes, got {tuple(grad.shape)} and "
+                         f"{tuple(x1.shape)}")
+    if not 1 <= grad.dim() <= 6:
+        raise ValueError(f"{name}: grad and x1 must be 1-D to 6-D, got {grad.dim()}-D")
+    if grad.numel() == 0:
+        raise ValueError(f"{name}: empty tensors are not supported, got shape {tuple(grad.shape)}")
+    if grad.dtype not in FLOAT_DTYPES or x1.dtype != grad.dtype or x2.dtype != grad.dtype:
+        raise ValueError(f"{name}: grad, x1 and x2 must share one dtype of float16, bfloat16, float32; "
+                         f"got {grad.dtype}, {x1.dtype}, {x2.dtype}")
+    if not (x2.dim() == 0 or tuple(x2.shape) == (1,) or x2.shape == grad.shape):
+        raise ValueError(f"{name}: x2 must be a scalar, shape (1,) or grad's shape {tuple(grad.shape)}, "
+                         f"got {tuple(x2.shape)}")
+    if len(axes) != 1 or axes[0] not in (-1, grad.dim() - 1):
+        raise ValueError(f"{name}: axes must be the last dim ([-1] or [{grad.dim() - 1}]), got {list(axes)}")
+    if not keep_dims:
+        raise ValueError(f"{name}: keep_dims must be True")
+
+
+@torch.library.custom_op(
+    "npu_fuse::softmax_grad_ext", mutates_args=(),
+    schema="(Tensor grad, Tensor x1, Tensor x2, int[] axes=[-1], bool keep_dims=True) -> Tensor")
+def softmax_grad_ext(grad: Tensor, x1: Tensor, x2: Tensor, axes=(-1,), keep_dims: bool = True) -> Tensor:
+    check_softmax_grad_ext_args(grad, x1, x2, axes, keep_dims)
+    return softmax_grad_ext_reference(grad, x1, x2, axes, keep_dims)
+
+
+@decomposition(torch.ops.npu_fuse.softmax_grad_ext.default)
+def softmax_grad_ext_reference(grad, x1, x2, axes=(-1,), keep_dims=True):
+    dtype = compute_dtype(grad.dtype)
+    g, p, scale = grad.to(dtype), x1.to(dtype), x2.to(dtype)
+    return (scale * p * (g - (g * p).sum(-1, keepdim=True))).to(grad.dtype)
+
+
+@softmax_grad_ext.register_fake
+def _(grad, x1, x2, axes=(-1,), keep_dims=True):
+    check_softmax_grad_ext_args(grad, x1, x2, axes, keep_dims)
+    return torch.empty_like(grad, memory_format=torch.contiguous_format)

@@ -1,0 +1,263 @@
+"""Softmax backward with a scale -> ``npu_fuse::softmax_grad_ext`` (spec section 3, seed 004).
+
+Pattern, anchored at the final multiply ``y`` (operands of every commutative op in
+any order; ``x2`` a Python scalar, a scalar-like tensor, or a tensor of grad's shape):
+
+* v1: ``y = (x2 * x1) * sub``            with ``sub = grad - sum(grad * x1, -1, keepdim)``
+* v2: ``y = (x1 * sub) * x2``
+* decomposed ``_softmax_backward_data``: ``y = (m0 - x1 * sum(m0, -1, keepdim)) * x2``, ``m0 = grad * x1``,
+  or with ``fma(-x1, sum(m0), m0)`` for the Sub, as inductor's decompositions write it
+* training graphs: ``y = _softmax_backward_data(grad, x1, -1, dtype) * x2`` (or ``/ scale``).
+
+Constraints (each failure is a near-miss with its reason): reduction over the last
+dim with keepdim; grad and x1 of equal shape, rank 1..6, not empty, one dtype in
+fp16/fp32/bf16; x2 scalar-like or grad's shape, of that dtype; static shapes; the
+first Mul and the Sub share grad and both Muls share x1 (by construction of the
+match; ``sum - grad`` is different math and never matches); no intermediate used
+outside the chain; no rewrite that would make the fused op depend on its own
+output; SoC: Ascend950 or generic (the GE fusion targets Ascend950 only).
+"""
+
+from typing import Optional, Union
+
+import torch
+from torch.fx import Node
+
+from ..fusion import FusionPass, GraphBuilder, PassContext, Rewrite, register_fusion
+from ..report import NearMiss
+from ..soc import A2_A3
+from .graph_utils import aten, describe, is_call, norm_dim, static_int, users_outside, val
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+Scalar = (int, float)
+
+
+def _mul_operands(node) -> Optional[tuple]:
+    if is_call(node, aten.mul.Tensor) and len(node.args) == 2:
+        return node.args
+    return None
+
+
+def _other(pair, item) -> Optional[object]:
+    """The operand of pair that is not item (None when item is not in pair)."""
+    if pair[0] is item:
+        return pair[1]
+    if pair[1] is item:
+        return pair[0]
+    return None
+
+
+def _plain_sub(node) -> bool:
+    return is_call(node, aten.sub.Tensor) and len(node.args) == 2 and node.kwargs.get("alpha", 1) == 1
+
+
+class _Chain:
+    """A matched chain: its inputs, its nodes and its reduction."""
+
+    def __init__(self, grad, x1, x2, nodes, dims, keepdim, scale_inverted=False):
+        self.grad, self.x1, self.x2 = grad, x1, x2
+        self.nodes = list(dict.fromkeys(nodes))
+        self.dims, self.keepdim = dims, keepdim
+        self.scale_inverted = scale_inverted  # y = sbd / x2
+
+
+@register_fusion
+class SoftmaxGradExtFusion(FusionPass):
+    """Mul -> ReduceSum -> Sub -> Mul -> Mul, or softmax backward * scale -> softmax_grad_ext."""
+
+    name = "softmax_grad"
+    family = "softmax_grad"
+    op = "softmax_grad_ext"
+
+    def find(self, ctx: PassContext):
+        self._order = None
+        for node in ctx.graph.nodes:
+            if is_call(node, aten.mul.Tensor, aten.div.Tensor) and len(node.args) == 2:
+                chain = self._match_softmax_backward_data(node) or self._match_decomposed(node)
+                if isinstance(chain, NearMiss):
+                    yield chain
+                elif chain is not None:
+                    yield self._check_and_rewrite(ctx, node, chain)
+
+    # -- patterns ---------------------------------------------------------------------
+    def _match_softmax_backward_data(self, y: Node) -> Optional[_Chain]:
+        for sbd, x2 in (y.args, y.args[::-1]):
+            if not is_call(sbd, aten._softmax_backward_data.default):
+                continue
+            if y.target == aten.div.Tensor and (sbd is not y.args[0] or not isinstance(x2, Scalar)):
+                return None
+            grad, x1, dim = sbd.args[:3]
+            return _Chain(grad, x1, x2, [sbd], [dim], True, scale_inverted=y.target == aten.div.Tensor)
+        return None
+
+    def _match_decomposed(self, y: Node) -> Union[_Chain, NearMiss, None]:
+        if y.target != aten.mul.Tensor:
+            return None
+        for a, b in (y.args, y.args[::-1]):
+            # v2: (x1 * sub) * x2   |   v1: sub * (x2 * x1)   |   decomposed sbd: (m0 - x1 * s) * x2
+            a_ops = _mul_operands(a)
+            if a_ops is not None:
+                for sub in a_ops:
+                    if _plain_sub(sub):
+                        found = self._from_sub(sub, x1_hint=_other(a_ops, sub), x2=b, extra=[a])
+                        if found is not None:
+                            return found
+            if _plain_sub(a):
+                b_ops = _mul_operands(b)
+                if b_ops is not None:
+                    found = self._from_sub(a, x1_hint=None, x2=b_ops, extra=[b])
+                    if found is not None:
+                        return found
+                found = self._from_decomposed_sbd(a, x2=b)
+                if found is not None:
+                    return found
+            if is_call(a, torch.ops.prims.fma.default):
+                found = self._from_fma(a, x2=b)
+                if found is not None:
+                    return found
+        return None
+
+    def _from_fma(self, fma: Node, x2) -> Optional[_Chain]:
+        """fma(-x1, sum(m0), m0) = m0 - x1 * sum(m0): inductor's _softmax_backward_data."""
+        neg_x1, total, m0 = fma.args
+        reduced = self._sum_of_product(total)
+        if not is_call(neg_x1, aten.neg.default) or reduced is None or reduced[0] is not m0:
+            return None
+        x1 = neg_x1.args[0]
+        grad = _other(m0.args, x1)
+        if grad is None:
+            return None
+        return _Chain(grad, x1, x2, [fma, neg_x1, total, m0], reduced[1], reduced[2])
+
+    def _from_sub(self, sub: Node, x1_hint, x2, extra) -> Union[_Chain, NearMiss, None]:
+        """sub = grad - sum(grad * x1). x2 is a node/scalar, or (v1) the operands of x2 * x1."""
+        first, second = sub.args
+        for total, grad, swapped in ((second, first, False), (first, second, True)):
+            reduced = self._sum_of_product(total)
+            if reduced is None:
+                continue
+            m0, dims, keepdim = reduced
+            x1 = _other(m0.args, grad)
+            if x1 is None:
+                continue
+            if swapped:
+                return self.near_miss(sub, f"{describe(sub)} computes sum - grad, not grad - sum: "
+                                           "a different function, not softmax backward")
+            if isinstance(x2, tuple):  # v1: the other Mul must be x2 * x1
+                x2 = _other(x2, x1)
+                if x2 is None:
+                    return self.near_miss(sub, "the scale Mul does not share x1 with the first Mul")
+            elif x1_hint is not x1:
+                return self.near_miss(sub, "the Mul after the Sub does not share x1 with the first Mul")
+            return _Chain(grad, x1, x2, [*extra, sub, total, m0], dims, keepdim)
+        return None
+
+    def _from_decomposed_sbd(self, sub: Node, x2) -> Optional[_Chain]:
+        """sub = m0 - x1 * sum(m0), m0 = grad * x1 (torch._decomp's _softmax_backward_data)."""
+        m0, scaled = sub.args
+        scaled_ops = _mul_operands(scaled)
+        m0_ops = _mul_operands(m0)
+        if scaled_ops is None or m0_ops is None:
+            return None
+        for total in scaled_ops:
+            reduced = self._sum_of_product(total)
+            if reduced is None or reduced[0] is not m0:
+                continue
+            x1 = _other(scaled_ops, total)
+            grad = _other(m0_ops, x1)
+            if grad is None:
+                return None
+            return _Chain(grad, x1, x2, [sub, scaled, total, m0], reduced[1], reduced[2])
+        return None
+
+    @staticmethod
+    def _sum_of_product(node) -> Optional[tuple]:
+        if not is_call(node, aten.sum.dim_IntList) or node.kwargs.get("dtype") is not None:
+            return None
+        product = node.args[0]
+        if _mul_operands(product) is None or not all(isinstance(a, Node) for a in product.args):
+            return None
+        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        return product, list(dims or []), keepdim
+
+    # -- constraints and replacement ------------------------------------------------------
+    def _check_and_rewrite(self, ctx: PassContext, y: Node, chain: _Chain) -> Union[Rewrite, NearMiss]:
+        problem = self._check(ctx, y, chain)
+        if problem:
+            return self.near_miss(y, problem)
+        grad, x1, x2 = chain.grad, chain.x1, chain.x2
+        dtype = val(grad).dtype
+
+        def build(b: GraphBuilder) -> Node:
+            if isinstance(x2, Node):
+                scale = x2
+                if val(scale).numel() == 1 and tuple(val(scale).shape) not in ((), (1,)):
+                    scale = b.call(aten.view.default, scale, [1])
+            else:
+                value = 1.0 / x2 if chain.scale_inverted else float(x2)
+                scale = b.call(aten.full.default, [1], value, dtype=dtype, device=val(grad).device,
+                               pin_memory=False)
+            out = b.call(torch.ops.npu_fuse.softmax_grad_ext.default, grad, x1, scale, [-1], True)
+            if val(y).dtype != dtype:
+                out = b.call(aten._to_copy.default, out, dtype=val(y).dtype)
+            return out
+
+        form = "softmax_backward_data" if is_call(chain.nodes[0], aten._softmax_backward_data.default) \
+            else "decomposed chain"
+        return Rewrite(y, chain.nodes, self.op, build, detail=form)
+
+    def _check(self, ctx: PassContext, y: Node, chain: _Chain) -> Optional[str]:
+        if ctx.soc in A2_A3:
+            return f"the SoftmaxGradExt fusion targets Ascend950 only, not {ctx.soc}"
+        grad, x1, x2 = val(chain.grad), val(chain.x1), val(chain.x2)
+        for name, t in (("grad", grad), ("x1", x1)) + ((("x2", x2),) if isinstance(x2, torch.Tensor) else ()):
+            symbolic = [s for s in t.shape if static_int(s) is None]
+            if symbolic:
+                return f"{name} has symbolic dim {symbolic[0]}: SoftmaxGradExt needs static shapes"
+        if grad.shape != x1.shape:
+            return f"grad shape {list(grad.shape)} != x1 shape {list(x1.shape)}"
+        if not 1 <= grad.dim() <= 6:
+            return f"grad is {grad.dim()}-D; SoftmaxGradExt takes 1-D to 6-D"
+        if grad.numel() == 0:
+            return "empty tensors are not supported"
+        if len(chain.dims) != 1 or norm_dim(chain.dims[0], grad.dim()) != grad.dim() - 1:
+            return f"reduction over dims {chain.dims}, not the last dim only"
+        if not chain.keepdim:
+            return "the reduction drops the reduced dim (keep_dims must be true)"
+        if grad.dtype not in FLOAT_DTYPES or x1.dtype != grad.dtype:
+            return f"grad/x1 dtypes {grad.dtype}/{x1.dtype}: one of float16, bfloat16, float32 required"
+        if isinstance(x2, torch.Tensor):
+            if x2.dtype != grad.dtype:
+                return f"x2 dtype {x2.dtype} != grad dtype {grad.dtype}"
+            if x2.numel() != 1 and x2.shape != grad.shape:
+                return f"x2 shape {list(x2.shape)} is neither scalar-like nor grad's shape {list(grad.shape)}"
+        elif not isinstance(chain.x2, Scalar) or isinstance(chain.x2, bool):
+            return f"x2 {chain.x2!r} is not a number or tensor"
+        cycle = self._depends_on_chain(ctx, chain)
+        if cycle is not None:
+            return f"x2 depends on {describe(cycle)} of the chain: fusing would make the op depend on its own output"
+        leaked = users_outside(chain.nodes, [y])
+        if leaked is not None:
+            return f"intermediate {describe(leaked)} is used outside the subgraph"
+        return None
+
+    def _depends_on_chain(self, ctx: PassContext, chain: _Chain) -> Optional[Node]:
+        """The chain node x2 is computed from, if any (walks back only past the chain's start)."""
+        if not isinstance(chain.x2, Node):
+            return None
+        if self._order is None:
+            self._order = {node: i for i, node in enumerate(ctx.graph.nodes)}
+        start = min(self._order[n] for n in chain.nodes)
+        inside = set(chain.nodes)
+        stack, seen = [chain.x2], set()
+        while stack:
+            node = stack.pop()
+            if node in inside:
+                return node
+            if node in seen or self._order[node] < start:
+                continue
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+        return None
+
