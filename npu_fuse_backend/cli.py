@@ -6,22 +6,17 @@ fused, the numerics against eager, and eager / inductor / npu_fuse latency.
 
 import argparse
 import collections
-import statistics
 import sys
-import time
 
 import torch
+
+from .timing import median_ms
 
 
 def _time_ms(fn, args, repeat: int) -> float:
     with torch.no_grad():
         fn(*args)  # warm-up (and compile)
-        samples = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            fn(*args)
-            samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+        return median_ms(fn, args, repeat)
 
 
 def run_demo(dtype: torch.dtype, repeat: int, layers: int, seq: int, out=sys.stdout) -> list:

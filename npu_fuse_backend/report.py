@@ -9,7 +9,6 @@ import collections
 import dataclasses
 import itertools
 import logging
-import os
 
 import torch
 from torch._dynamo.utils import counters
@@ -18,9 +17,8 @@ from . import config
 
 log = logging.getLogger("npu_fuse")
 
+# TORCH_LOGS="+npu_fuse" names the logger through the top-level module ``npu_fuse``.
 torch._logging._internal.register_log("npu_fuse", "npu_fuse")
-if "TORCH_LOGS" in os.environ:
-    torch._logging._internal._init_logs()  # re-read TORCH_LOGS now that the alias exists
 
 
 @dataclasses.dataclass(frozen=True)

@@ -111,3 +111,13 @@ def test_cli_demo_prints_the_table(capsys):
     out = capsys.readouterr().out
     assert "llama-decoder" in out and "gptj-attention" in out
     assert out.count("rotary_mul x2") == 2  # q and k of one layer, in each model
+
+
+def test_torch_logs_shows_the_report():
+    code = ("import torch\n"
+            "f = torch.compile(lambda q, c, s: q * c + torch.cat((-q[..., 8:], q[..., :8]), -1) * s,"
+            " backend='npu_fuse')\n"
+            "f(torch.randn(1, 2, 3, 16), torch.randn(16), torch.randn(16))\n")
+    env = dict(os.environ, TORCH_LOGS="+npu_fuse", NPU_FUSE_FALLBACK="aot_eager")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "fused rotary_mul at add" in out.stderr

@@ -244,3 +244,15 @@ def test_many_chains_in_one_graph():
     out, reports = compile_fused(fn, g, p)
     assert fused_ops(reports) == ["softmax_grad_ext"] * 40
     assert_close(out, fn(g, p), torch.float32)
+
+
+@pytest.mark.parametrize("chain", CHAINS)
+def test_bf16_chains_are_no_less_accurate_than_eager(chain):
+    from conftest import assert_no_worse_than_eager
+
+    fn = CHAINS[chain]
+    g, p = torch.randn(2, 4, 8, 64, dtype=torch.bfloat16), probs(2, 4, 8, 64, dtype=torch.bfloat16)
+    x2 = torch.tensor(0.125, dtype=torch.bfloat16)
+    out, reports = compile_fused(fn, g, p, x2)
+    assert fused_ops(reports) == ["softmax_grad_ext"]
+    assert_no_worse_than_eager(out, fn(g, p, x2), fn(g.double(), p.double(), x2.double()))
