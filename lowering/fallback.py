@@ -29,8 +29,41 @@ def _decompose_fused_ops_pass():
         patterns = PatternMatcherPass(pass_name="npu_fuse_decompose_fused_ops")
         for op, decomp in DECOMPOSITIONS.items():
             register_graph_pattern(CallFunctionVarArgs(op), pass_dict=patterns)(_decompose_with(decomp))
+        register_graph_pattern(CallFunctionVarArgs(torch.ops.higher_order.auto_functionalized_v2),
+                               extra_check=_is_fused_in_place_op, pass_dict=patterns)(_decompose_in_place)
         _decompose_pass = patterns
     return _decompose_pass
+
+
+def _mutated_arg(op) -> str:
+    (name,) = [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    return name
+
+
+def _is_fused_in_place_op(match) -> bool:
+    """An auto_functionalized_v2 of one of our in-place ops, mutating a whole base (no view)."""
+    node = match.nodes[0]
+    op = node.args[0]
+    if op not in DECOMPOSITIONS:
+        return False
+    name = _mutated_arg(op)
+    return f"_{name}_base_index" in node.kwargs and f"_{name}_size" not in node.kwargs
+
+
+def _decompose_in_place(match, op, **kwargs) -> None:
+    """auto_functionalized_v2(op, x=base, ...) -> (None, decomposition(base, ...)): the
+    functional meaning of the in-place op, for inductor to fuse."""
+    name = _mutated_arg(op)
+    base = kwargs["_all_bases"][kwargs[f"_{name}_base_index"]]
+    op_kwargs = {k: v for k, v in kwargs.items() if not k.startswith("_")}
+    op_kwargs[name] = base
+    names = [k for k, v in op_kwargs.items() if isinstance(v, Node)]
+    decomp = DECOMPOSITIONS[op]
+
+    def replacement(*traced):
+        return None, decomp(**{**op_kwargs, **dict(zip(names, traced))})
+
+    match.replace_by_example(replacement, [op_kwargs[k] for k in names], run_functional_passes=False)
 
 
 def _decompose_with(decomp: Callable) -> Callable:

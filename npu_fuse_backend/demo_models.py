@@ -21,6 +21,7 @@ class DecoderConfig:
     layers: int = 1
     rope_theta: float = 10000.0
     max_positions: int = 512
+    rotary_dim: int = 0  # GPT-J / GPT-NeoX: rotate only the first rotary_dim of each head (0: all)
 
 
 class RMSNorm(nn.Module):
@@ -142,7 +143,8 @@ class GPTJAttention(nn.Module):
         self.cfg = cfg
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.heads * cfg.head_dim, bias=False)
         self.out = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
-        inv_freq = 1.0 / (10000 ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
+        rot = cfg.rotary_dim or cfg.head_dim
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
         sinusoid = torch.einsum("i,j->ij", torch.arange(cfg.max_positions).float(), inv_freq)
         self.register_buffer("embed_positions", torch.cat((sinusoid.sin(), sinusoid.cos()), dim=1),
                              persistent=False)
@@ -150,20 +152,25 @@ class GPTJAttention(nn.Module):
     def forward(self, x, position_ids):
         b, s, _ = x.shape
         c = self.cfg
+        rot = c.rotary_dim or c.head_dim
         q, k, v = self.qkv(x).view(b, s, 3, c.heads, c.head_dim).unbind(2)  # BSND
         sincos = self.embed_positions[position_ids]
-        sin, cos = torch.split(sincos, c.head_dim // 2, dim=-1)
+        sin, cos = torch.split(sincos, sincos.shape[-1] // 2, dim=-1)
         sin = torch.repeat_interleave(sin[:, :, None, :], 2, 3).to(x.dtype)
         cos = torch.repeat_interleave(cos[:, :, None, :], 2, 3).to(x.dtype)
-        q = (q * cos) + (rotate_every_two(q) * sin)
-        k = (k * cos) + (rotate_every_two(k) * sin)
+        q_rot, q_pass = q[:, :, :, :rot], q[:, :, :, rot:]
+        k_rot, k_pass = k[:, :, :, :rot], k[:, :, :, rot:]
+        q = torch.cat([(q_rot * cos) + (rotate_every_two(q_rot) * sin), q_pass], dim=-1)
+        k = torch.cat([(k_rot * cos) + (rotate_every_two(k_rot) * sin), k_pass], dim=-1)
         attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                               is_causal=True)
         return self.out(attn.transpose(1, 2).reshape(b, s, -1))
 
 
 class GPTJModel(nn.Module):
-    def __init__(self, cfg: DecoderConfig = DecoderConfig(kv_heads=4)):
+    """GPT-J layers: interleaved RoPE on the first rotary_dim of each head (all when 0)."""
+
+    def __init__(self, cfg: DecoderConfig = DecoderConfig(kv_heads=4, rotary_dim=32)):
         super().__init__()
         self.layers = nn.ModuleList(GPTJAttention(cfg) for _ in range(cfg.layers))
         self.norms = nn.ModuleList(nn.LayerNorm(cfg.hidden) for _ in range(cfg.layers))
@@ -171,6 +178,55 @@ class GPTJModel(nn.Module):
     def forward(self, x, position_ids):
         for norm, attn in zip(self.norms, self.layers):
             x = x + attn(norm(x), position_ids)
+        return x
+
+
+# -- GPT-NeoX style: rotate_half on the first rotary_pct of each head, BNSD -----------
+class NeoXAttention(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.heads * cfg.head_dim)
+        self.dense = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden)
+        rot = cfg.rotary_dim
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+        freqs = torch.outer(torch.arange(cfg.max_positions).float(), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cached", emb.cos(), persistent=False)
+        self.register_buffer("sin_cached", emb.sin(), persistent=False)
+
+    def forward(self, x, position_ids):
+        b, s, _ = x.shape
+        c = self.cfg
+        qkv = self.qkv(x).view(b, s, c.heads, 3 * c.head_dim)
+        q = qkv[..., : c.head_dim].permute(0, 2, 1, 3)
+        k = qkv[..., c.head_dim: 2 * c.head_dim].permute(0, 2, 1, 3)
+        v = qkv[..., 2 * c.head_dim:].permute(0, 2, 1, 3)
+        rot = c.rotary_dim
+        cos = self.cos_cached[position_ids].unsqueeze(1).to(x.dtype)
+        sin = self.sin_cached[position_ids].unsqueeze(1).to(x.dtype)
+        q_rot, q_pass = q[..., :rot], q[..., rot:]
+        k_rot, k_pass = k[..., :rot], k[..., rot:]
+        q = torch.cat((q_rot * cos + rotate_half(q_rot) * sin, q_pass), dim=-1)
+        k = torch.cat((k_rot * cos + rotate_half(k_rot) * sin, k_pass), dim=-1)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.dense(attn.permute(0, 2, 1, 3).reshape(b, s, -1))
+
+
+class NeoXModel(nn.Module):
+    """GPT-NeoX layers (parallel attention + MLP), rotary_pct = 0.25."""
+
+    def __init__(self, cfg: DecoderConfig = DecoderConfig(kv_heads=4, rotary_dim=16)):
+        super().__init__()
+        self.attn = nn.ModuleList(NeoXAttention(cfg) for _ in range(cfg.layers))
+        self.mlp = nn.ModuleList(nn.Sequential(nn.Linear(cfg.hidden, cfg.intermediate), nn.GELU(),
+                                               nn.Linear(cfg.intermediate, cfg.hidden))
+                                 for _ in range(cfg.layers))
+        self.norms = nn.ModuleList(nn.LayerNorm(cfg.hidden) for _ in range(2 * cfg.layers))
+
+    def forward(self, x, position_ids):
+        for i, (attn, mlp) in enumerate(zip(self.attn, self.mlp)):
+            x = x + attn(self.norms[2 * i](x), position_ids) + mlp(self.norms[2 * i + 1](x))
         return x
 
 
@@ -194,6 +250,8 @@ def demo_cases(layers: int = 1, seq: int = 64) -> list:
     return [
         DemoCase("llama-decoder", lambda: LlamaModel(DecoderConfig(layers=layers)),
                  _hidden_and_positions(seq=seq)),
-        DemoCase("gptj-attention", lambda: GPTJModel(DecoderConfig(kv_heads=4, layers=layers)),
+        DemoCase("gptj-partial", lambda: GPTJModel(DecoderConfig(kv_heads=4, layers=layers, rotary_dim=32)),
+                 _hidden_and_positions(seq=seq)),
+        DemoCase("neox-partial", lambda: NeoXModel(DecoderConfig(kv_heads=4, layers=layers, rotary_dim=16)),
                  _hidden_and_positions(seq=seq)),
     ]

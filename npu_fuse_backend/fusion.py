@@ -93,6 +93,7 @@ class FusionPass:
 
     name: str = ""  # the name used by config.disabled_fusions
     family: str = ""  # the family named in the report
+    order: int = 100  # passes run in ascending order (a pass that claims a larger subgraph goes first)
 
     def find(self, ctx: PassContext) -> Iterable[Union[Rewrite, NearMiss]]:
         raise NotImplementedError
@@ -171,7 +172,7 @@ class PassManager:
 
     def __init__(self, passes: Optional[list[FusionPass]] = None):
         if passes is None:
-            passes = [cls() for name, cls in registered_fusions().items()
+            passes = [cls() for name, cls in sorted(registered_fusions().items(), key=lambda kv: kv[1].order)
                       if name not in config.disabled_fusions]
         self.passes = passes
 

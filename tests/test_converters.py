@@ -77,3 +77,29 @@ def test_softmax_backward_becomes_one_softmax_grad_ext():
     ext = [op for op in bw.op if op.type == "SoftmaxGradExt"]
     assert len(ext) == 1 and ext[0].attr["axes"].i == -1 and ext[0].attr["keep_dims"].b
     assert not {"SoftmaxGrad", "ReduceSumD", "ReduceSum", "Sub"} & set(op_types(bw))
+
+
+def test_partial_interleave_rope_becomes_inplace_partial_rotary_mul():
+    def gptj(q, cos, sin):
+        q_rot, q_pass = q[..., :64], q[..., 64:]
+        return torch.cat([q_rot * cos + rotate_every_two(q_rot) * sin, q_pass], -1) * 2
+
+    q, cos, sin = torch.randn(2, 16, 4, 128), torch.randn(2, 16, 1, 64), torch.randn(2, 16, 1, 64)
+    (graph,) = ge_graphs_of(gptj, q, cos, sin)
+    (op,) = [op for op in graph.op if op.type == "InplacePartialRotaryMul"]
+    assert list(op.attr["partial_slice"].list.i) == [0, 64] and op.attr["rotary_mode"].s == b"interleave"
+    assert not {"StridedSliceV2", "Neg", "ConcatV2", "Pack"} & set(op_types(graph))
+
+
+def test_in_place_op_training_converts_forward_and_backward():
+    from lowering.ops.inplace_partial_rotary_mul import inplace_partial_rotary_mul
+
+    def train(x, cos, sin):
+        y = x * 1.0
+        inplace_partial_rotary_mul(y, cos, sin, partial_slice=[0, 64])
+        return y
+
+    cos, sin = torch.randn(2, 16, 1, 64), torch.randn(2, 16, 1, 64)
+    fw, bw = ge_graphs_of(train, torch.randn(2, 16, 4, 128, requires_grad=True), cos, sin)
+    assert op_types(fw).count("InplacePartialRotaryMul") == 1
+    assert op_types(bw).count("InplacePartialRotaryMulGrad") == 1

@@ -91,6 +91,15 @@ def skip_noop_slices(node: Any) -> Any:
     return node
 
 
+def same_value(a: Any, b: Any) -> bool:
+    """a and b are one node, or two identical slices of one tensor (``x[..., :r]`` written twice)."""
+    a, b = skip_noop_slices(a), skip_noop_slices(b)
+    if a is b:
+        return True
+    return (is_call(a, aten.slice.Tensor) and is_call(b, aten.slice.Tensor)
+            and same_value(a.args[0], b.args[0]) and slice_args(a) == slice_args(b))
+
+
 def users_outside(nodes: Iterable[Node], outputs: Iterable[Node]) -> Optional[Node]:
     """An intermediate of a subgraph that has a user outside it, else None.
 

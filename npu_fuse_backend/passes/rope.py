@@ -37,7 +37,7 @@ from torch.fx import Node
 from ..fusion import FusionPass, GraphBuilder, PassContext, Rewrite, register_fusion
 from ..report import NearMiss
 from .graph_utils import (
-    INT_MAX, aten, broadcasts_to, describe, is_call, norm_dim, rank, shape_eq, size_eq,
+    INT_MAX, aten, broadcasts_to, describe, is_call, norm_dim, rank, same_value, shape_eq, size_eq,
     skip_noop_slices, slice_args, static_int, users_outside, val,
 )
 
@@ -280,6 +280,47 @@ def match_rotation_transpose(node) -> Optional[Rotation]:
     return None
 
 
+@dataclasses.dataclass
+class RopeSite:
+    """``x * cos + R(x) * sin`` found at an add: its inputs and the nodes computing it."""
+
+    x: Node
+    cos: Node
+    sin: Node
+    rotation: Rotation
+    terms: list  # the two multiplies
+
+    @property
+    def nodes(self) -> list:
+        return list(dict.fromkeys([*self.terms, *self.rotation.nodes]))
+
+
+def match_rope_site(add: Node) -> Union[RopeSite, str, None]:
+    """The forward RoPE rooted at add, a reason string for a near-miss, or None."""
+    if not is_call(add, aten.add.Tensor) or add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
+        return None
+    terms = add.args
+    if not all(is_call(t, aten.mul.Tensor) and all(isinstance(a, Node) for a in t.args[:2]) for t in terms):
+        return None
+    reason = None
+    for cos_term, sin_term in (terms, terms[::-1]):
+        for i in (0, 1):
+            rot = match_rotation(sin_term.args[i])
+            if isinstance(rot, str):
+                reason = reason or rot
+                continue
+            if rot is None:
+                continue
+            for j in (0, 1):
+                if same_value(cos_term.args[j], rot.source):
+                    return RopeSite(cos_term.args[j], cos_term.args[1 - j], sin_term.args[1 - i], rot,
+                                    [cos_term, sin_term])
+            reason = reason or (
+                f"the tensor multiplied by cos ({cos_term.args[0].name} or {cos_term.args[1].name}) "
+                f"is not the rotated tensor {rot.source.name}")
+    return reason
+
+
 @register_fusion
 class RotaryMulFusion(FusionPass):
     """Full-width RoPE on q or k, half or interleave, -> one rotary_mul."""
@@ -301,30 +342,14 @@ class RotaryMulFusion(FusionPass):
 
     # -- x * cos + R(x) * sin ---------------------------------------------------------
     def _match_add(self, add: Node) -> Union[Rewrite, NearMiss, None]:
+        site = match_rope_site(add)
+        if isinstance(site, RopeSite):
+            return self._rewrite(add, site.rotation, x=site.x, cos=site.cos, sin=site.sin, extra=site.terms)
+        if isinstance(site, str):
+            return self.near_miss(add, site)
         if add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
             return None
-        terms = add.args
-        if not all(is_call(t, aten.mul.Tensor) and all(isinstance(a, Node) for a in t.args[:2])
-                   for t in terms):
-            return self._match_backward(add, terms)
-        reason = None
-        for cos_term, sin_term in (terms, terms[::-1]):
-            for i in (0, 1):
-                rot = match_rotation(sin_term.args[i])
-                if isinstance(rot, str):
-                    reason = reason or rot
-                    continue
-                if rot is None:
-                    continue
-                sin = sin_term.args[1 - i]
-                for j in (0, 1):
-                    if skip_noop_slices(cos_term.args[j]) is rot.source:
-                        return self._rewrite(add, rot, x=cos_term.args[j], cos=cos_term.args[1 - j],
-                                             sin=sin, extra=[cos_term, sin_term])
-                reason = reason or (
-                    f"the tensor multiplied by cos ({cos_term.args[0].name} or {cos_term.args[1].name}) "
-                    f"is not the rotated tensor {rot.source.name}")
-        return self.near_miss(add, reason) if reason else self._match_backward(add, terms)
+        return self._match_backward(add, add.args)
 
     def _match_backward(self, add: Node, terms) -> Union[Rewrite, NearMiss, None]:
         """dx = g * cos + R^T(g * sin), in a backward graph."""

@@ -1,0 +1,149 @@
+"""npu_fuse::inplace_partial_rotary_mul — partial, in-place RoPE (spec section 2, seed 000).
+
+Rotates ``x[..., start:end]`` (interleave pairs) and writes it back into x; the rest
+of x keeps its value; ``start == end`` is a no-op. GE: custom op
+``InplacePartialRotaryMul``; backward ``inplace_partial_rotary_mul_backward``.
+
+A mutating custom op cannot carry a torch.library autograd formula, so training
+goes through :func:`inplace_partial_rotary_mul`, the Python entry point seed 000
+describes: an autograd.Function that marks x dirty and whose backward is the exact
+adjoint, applied in place to a copy of the incoming gradient (r1/r2 get None).
+"""
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..registry import decomposition
+from ..rope_math import compute_dtype, rotate
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 1024
+SCHEMA_TAIL = "Tensor r1, Tensor r2, *, str rotary_mode='interleave', int[2] partial_slice=[0, 0]) -> ()"
+
+
+def check_inplace_partial_rotary_mul_args(x: Tensor, r1: Tensor, r2: Tensor, rotary_mode: str,
+                                          partial_slice: Sequence[int], name: str) -> None:
+    """Raise ValueError naming the first rule of the contract the arguments break."""
+    if rotary_mode != "interleave":
+        raise ValueError(f"{name}: only rotary_mode='interleave' is supported, got {rotary_mode!r}")
+    if len(partial_slice) != 2:
+        raise ValueError(f"{name}: partial_slice must be [start, end], got {list(partial_slice)}")
+    if x.dim() != 4:
+        raise ValueError(f"{name}: x must be 4-D BSND, got {x.dim()}-D shape {tuple(x.shape)}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name}: x dtype must be float16, bfloat16 or float32, got {x.dtype}")
+    if any(size == 0 for size in x.shape):
+        raise ValueError(f"{name}: every dim of x must be > 0, got shape {tuple(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name}: x must be contiguous")
+    head_dim = x.shape[-1]
+    if head_dim > MAX_HEAD_DIM or head_dim % 2:
+        raise ValueError(f"{name}: head dim D must be even and <= {MAX_HEAD_DIM}, got {head_dim}")
+    start, end = partial_slice
+    if not 0 <= start <= end <= head_dim:
+        raise ValueError(f"{name}: partial_slice must satisfy 0 <= start <= end <= D={head_dim}, "
+                         f"got [{start}, {end}]")
+    if (end - start) % 2:
+        raise ValueError(f"{name}: slice length end - start must be even, got {end - start}")
+    if r1.dtype != r2.dtype or r1.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name}: r1 and r2 must share one float dtype, got {r1.dtype} and {r2.dtype}")
+    for arg, r in (("r1", r1), ("r2", r2)):
+        if r.dim() != 4:
+            raise ValueError(f"{name}: {arg} must be 4-D, got {r.dim()}-D shape {tuple(r.shape)}")
+        if r.shape[-1] != end - start:
+            raise ValueError(f"{name}: last dim of {arg} must equal the slice length {end - start}, "
+                             f"got {r.shape[-1]}")
+        if end > start:
+            for i in range(3):
+                if r.shape[i] not in (1, x.shape[i]):
+                    raise ValueError(f"{name}: {arg} shape {tuple(r.shape)} does not broadcast to "
+                                     f"x[..., {start}:{end}] shape {tuple(x.shape[:3]) + (end - start,)}")
+
+
+@torch.library.custom_op("npu_fuse::inplace_partial_rotary_mul", mutates_args=("x",),
+                         schema="(Tensor(a!) x, " + SCHEMA_TAIL)
+def _inplace_partial_rotary_mul_op(x, r1, r2, *, rotary_mode="interleave", partial_slice=(0, 0)) -> None:
+    check_inplace_partial_rotary_mul_args(x, r1, r2, rotary_mode, partial_slice, "npu_fuse.inplace_partial_rotary_mul")
+    start, end = partial_slice
+    if start != end:
+        x[..., start:end] = partial_rotary_reference(x[..., start:end], r1, r2)
+
+
+def partial_rotary_reference(x_slice: Tensor, r1: Tensor, r2: Tensor, adjoint: bool = False) -> Tensor:
+    """x*r1 + R(x)*r2 (or its adjoint g*r1 - R(g*r2)) in fp32, rounded once."""
+    dtype = compute_dtype(x_slice.dtype)
+    xf, c, s = x_slice.to(dtype), r1.to(dtype), r2.to(dtype)
+    out = xf * c - rotate(xf * s, "interleave") if adjoint else xf * c + rotate(xf, "interleave") * s
+    return out.to(x_slice.dtype)
+
+
+@_inplace_partial_rotary_mul_op.register_fake
+def _(x, r1, r2, *, rotary_mode="interleave", partial_slice=(0, 0)):
+    check_inplace_partial_rotary_mul_args(x, r1, r2, rotary_mode, partial_slice, "npu_fuse.inplace_partial_rotary_mul")
+
+
+@torch.library.custom_op("npu_fuse::inplace_partial_rotary_mul_backward", mutates_args=("grad",),
+                         schema="(Tensor(a!) grad, " + SCHEMA_TAIL)
+def _inplace_partial_rotary_mul_backward_op(grad, r1, r2, *, rotary_mode="interleave",
+                                            partial_slice=(0, 0)) -> None:
+    check_inplace_partial_rotary_mul_args(grad, r1, r2, rotary_mode, partial_slice,
+                                          "npu_fuse.inplace_partial_rotary_mul_backward")
+    start, end = partial_slice
+    if start != end:
+        grad[..., start:end] = partial_rotary_reference(grad[..., start:end], r1, r2, adjoint=True)
+
+
+@_inplace_partial_rotary_mul_backward_op.register_fake
+def _(grad, r1, r2, *, rotary_mode="interleave", partial_slice=(0, 0)):
+    check_inplace_partial_rotary_mul_args(grad, r1, r2, rotary_mode, partial_slice,
+                                          "npu_fuse.inplace_partial_rotary_mul_backward")
+
+
+def _functional(x, r1, r2, rotary_mode="interleave", partial_slice=(0, 0)):
+    """The op as a function of its inputs: what inductor lowers it to."""
+    start, end = partial_slice
+    if start == end:
+        return x.clone()
+    rotated = partial_rotary_reference(x[..., start:end], r1, r2)
+    return torch.cat([x[..., :start], rotated, x[..., end:]], dim=-1)
+
+
+decomposition(torch.ops.npu_fuse.inplace_partial_rotary_mul.default)(_functional)
+
+
+class _InplacePartialRotaryMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, r1, r2, rotary_mode, partial_slice):
+        torch.ops.npu_fuse.inplace_partial_rotary_mul(x, r1, r2, rotary_mode=rotary_mode,
+                                                      partial_slice=partial_slice)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(r1, r2)
+        ctx.rotary_mode, ctx.partial_slice = rotary_mode, partial_slice
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        r1, r2 = ctx.saved_tensors
+        grad = grad.clone(memory_format=torch.contiguous_format)  # never write into autograd's buffer
+        torch.ops.npu_fuse.inplace_partial_rotary_mul_backward(grad, r1, r2, rotary_mode=ctx.rotary_mode,
+                                                               partial_slice=ctx.partial_slice)
+        return grad, None, None, None, None
+
+
+def inplace_partial_rotary_mul(x: Tensor, r1: Tensor, r2: Tensor, *, rotary_mode: str = "interleave",
+                               partial_slice: Optional[Sequence[int]] = None) -> None:
+    """Rotate ``x[..., start:end]`` in place (interleave RoPE); returns None like seed 000's API.
+
+    ``partial_slice=None`` means ``[0, 0]`` (no-op). With autograd, only x gets a gradient.
+    """
+    partial_slice = [0, 0] if partial_slice is None else [int(v) for v in partial_slice]
+    if torch.is_grad_enabled() and x.requires_grad:
+        if x.is_leaf:
+            raise RuntimeError("npu_fuse.inplace_partial_rotary_mul: a leaf Variable that requires grad "
+                               "is being used in an in-place operation; rotate a copy (y = x * 1.0)")
+        _InplacePartialRotaryMul.apply(x, r1, r2, rotary_mode, partial_slice)
+        return None
+    torch.ops.npu_fuse.inplace_partial_rotary_mul(x, r1, r2, rotary_mode=rotary_mode, partial_slice=partial_slice)
+    return None
