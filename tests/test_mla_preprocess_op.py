@@ -1,0 +1,176 @@
+"""npu_fuse::mla_preprocess against an independent stage-by-stage golden, in every mode."""
+
+import pytest
+import torch
+from torch.library import opcheck
+
+from lowering.ops import mla_preprocess as M
+from mla_inputs import make_inputs
+
+MODES = [(cache, quant, quantized) for cache in range(4) for quant, quantized in ((0, True), (1, True), (0, False))]
+
+
+def golden(a, cache_mode, quant_mode, eps=1e-6):
+    """ATB's pipeline written out again, stage by stage, with loops where ATB's goldens loop."""
+    dtype = a["input"].dtype
+    f = lambda t: t.double()
+
+    def rms(x, gamma, beta=None):
+        y = f(x) / torch.sqrt((f(x) ** 2).mean(-1, keepdim=True) + eps) * f(gamma)
+        return y + f(beta) if beta is not None else y
+
+    def linear_quant(h, gamma, beta, scale, offset, w, descale, bias):
+        y = rms(h, gamma, beta).to(dtype).double()
+        if quant_mode == 0:
+            q = (y / f(scale) + f(offset)).round().clamp(-128, 127)
+            token = torch.ones(y.shape[0], 1, dtype=torch.float64)
+        else:
+            token = y.abs().amax(-1, keepdim=True) / 127.0
+            q = (y / token).round().clamp(-128, 127)
+        acc = q @ f(w).t() + f(bias)  # exact in float64 for int8 operands
+        return (acc * f(descale) * token).to(dtype), q
+
+    stages = {}
+    if a["wdqkv"].dtype == torch.int8:
+        qkv, stages["x_int8"] = linear_quant(a["input"], a["gamma0"], a["beta0"], a["quant_scale0"], a["quant_offset0"],
+                                             a["wdqkv"], a["descale0"], a["bias0"])
+        q, stages["q_latent_int8"] = linear_quant(qkv[:, :1536], a["gamma1"], a["beta1"], a["quant_scale1"],
+                                                  a["quant_offset1"], a["wuq"], a["descale1"], a["bias1"])
+    else:
+        qkv = (f(a["input"]) @ f(a["wdqkv"]).t()).to(dtype)
+        q = (rms(qkv[:, :1536], a["gamma1"], a["beta1"]).to(dtype).double() @ f(a["wuq"]).t()).to(dtype)
+    stages["qkv"] = qkv
+    heads = a["wuk"].shape[0]
+    q = q.reshape(-1, heads, 192)
+    cos, sin = f(a["cos"]), f(a["sin"])
+
+    def rope(x, c, s):  # rotary coeff 2: halves
+        x = f(x)
+        return x * c + torch.cat([-x[..., 32:], x[..., :32]], -1) * s
+
+    stages["q_rope"] = rope(q[..., 128:], cos[:, None], sin[:, None]).to(dtype)
+    stages["k_rope"] = rope(qkv[:, 2048:], cos, sin).to(dtype)
+    stages["ctkv"] = rms(qkv[:, 1536:2048], a["gamma2"]).to(dtype)
+    stages["q_nope_absorbed"] = torch.einsum("tnd,ndc->tnc", f(q[..., :128]), f(a["wuk"])).to(dtype)
+
+    kv_cache, kv_rope = a["kv_cache"].clone(), a["kv_cache_rope"].clone()
+    block_size = kv_cache.shape[1]
+    for t, slot in enumerate(a["slotmapping"].tolist()):
+        if slot < 0:
+            continue
+        block, offset = divmod(slot, block_size)
+        if cache_mode == 0:
+            kv_cache[block, offset, 0] = torch.cat([stages["ctkv"][t], stages["k_rope"][t]])
+            continue
+        ctkv = stages["ctkv"][t]
+        if cache_mode == 2:
+            ctkv = (f(ctkv) * f(a["ctkv_scale"])).round().clamp(-128, 127).to(torch.int8)
+        for cache, row in ((kv_cache, ctkv), (kv_rope, stages["k_rope"][t])):
+            if cache_mode == 1:
+                cache[block, offset, 0] = row
+            else:  # NZ: element d of the row lives at flat [block][d // c0][offset][d % c0]
+                c0 = 32 if cache.dtype == torch.int8 else 16
+                flat = cache.view(-1)
+                dim = row.numel()
+                for d0 in range(0, dim, c0):
+                    start = block * block_size * dim + (d0 // c0) * block_size * c0 + offset * c0
+                    flat[start:start + c0] = row[d0:d0 + c0]
+    if cache_mode == 0:
+        q_out0, q_out1 = torch.cat([stages["q_nope_absorbed"], stages["q_rope"]], -1), None
+    else:
+        q_out0, q_out1 = stages["q_nope_absorbed"], stages["q_rope"]
+        if cache_mode == 2:
+            scale = f(a["q_nope_scale"]).reshape(1, -1, 1)
+            q_out0 = (f(q_out0) * scale).round().clamp(-128, 127).to(torch.int8)
+    return stages, q_out0, q_out1, kv_cache, kv_rope
+
+
+def run_op(a, kw):
+    args = [a[n] for n in M.ARG_NAMES]
+    extra = {k: v for k, v in a.items() if k not in M.ARG_NAMES}
+    return M.mla_preprocess(*args, **extra, **kw)
+
+
+def close(got, expected, int_tolerance=1):
+    if got.dtype == torch.int8:  # rounding of a value at .5 may differ by one step
+        assert (got.int() - expected.int()).abs().max() <= int_tolerance
+    else:
+        torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("cache_mode, quant_mode, quantized", MODES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_stage_and_output_matches_the_golden(cache_mode, quant_mode, quantized, dtype):
+    a, kw = make_inputs(dtype=dtype, cache_mode=cache_mode, quant_mode=quant_mode, quantized=quantized)
+    stages, q0, q1, kv, kv_rope = golden(a, cache_mode, quant_mode)
+    ours = M.mla_preprocess_stages({**{k: None for k in ("quant_scale0", "quant_offset0", "bias0", "quant_scale1",
+                                                           "quant_offset1", "bias1")}, **a, **kw, "epsilon": 1e-6})
+    for name in ("x_int8", "q_latent_int8"):
+        if name in stages:
+            close(ours[name], stages[name].to(torch.int8))
+    for name in ("qkv", "q_rope", "k_rope", "ctkv", "q_nope_absorbed"):
+        close(ours[name], stages[name])
+    cache_in, rope_in = a["kv_cache"].clone(), a["kv_cache_rope"].clone()
+    out0, kv_out, out1, kv_rope_out = run_op(a, kw)
+    assert kv_out is a["kv_cache"] and kv_rope_out is a["kv_cache_rope"]  # outputs alias the caches
+    close(out0, q0)
+    if q1 is not None:
+        close(out1, q1)
+    close(kv_out, kv)
+    if cache_mode:
+        close(kv_rope_out, kv_rope)
+    untouched = a["slotmapping"][0].item()  # slot -1: nothing written for token 0
+    assert untouched == -1
+    written = (kv_out != cache_in).flatten(1).any(1).nonzero().flatten().tolist()
+    assert set(written) <= {s // kv_out.shape[1] for s in a["slotmapping"].tolist() if s >= 0}
+    if not cache_mode:
+        assert torch.equal(a["kv_cache_rope"], rope_in)
+
+
+@pytest.mark.parametrize("cache_mode", range(4))
+def test_opcheck(cache_mode):
+    a, kw = make_inputs(cache_mode=cache_mode)
+    args = tuple(a[n] for n in M.ARG_NAMES)
+    extra = {k: v for k, v in a.items() if k not in M.ARG_NAMES}
+    opcheck(torch.ops.npu_fuse.mla_preprocess.default, args, {**extra, **kw})
+
+
+def _broken(**changes):
+    a, kw = make_inputs(tokens=4, heads=2)
+    for key, value in changes.items():
+        (kw if key in kw else a)[key] = value(a) if callable(value) else value
+    return a, kw
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(cache_mode=4), "cache_mode must be"),
+    (dict(quant_mode=2), "quant_mode 2 is not supported"),
+    (dict(quant_mode=3), "quant_mode 3 is not supported"),
+    (dict(input=lambda a: a["input"].float()), "input must be \\[tokens, hidden\\] float16/bfloat16"),
+    (dict(input=lambda a: a["input"][:, :1024]), "hidden size must be 7168 or in 2048..8192"),
+    (dict(wuk=lambda a: a["wuk"][:, :64]), "wuk must be \\[heads, 128, 512\\]"),
+    (dict(wdqkv=lambda a: a["wdqkv"][:2000]), "wdqkv must be \\[2112, 2048\\]"),
+    (dict(wuq=lambda a: a["wuq"].half()), "weights must be int8"),
+    (dict(cos=lambda a: a["cos"][:, :32]), "cos must be \\[4, 64\\]"),
+    (dict(slotmapping=lambda a: a["slotmapping"].float()), "slotmapping must be int32/int64"),
+    (dict(kv_cache=lambda a: torch.zeros(2, 200, 1, 576, dtype=torch.bfloat16)), "block_size must be in \\[1, 128\\] or 256"),
+    (dict(kv_cache=lambda a: a["kv_cache"][..., :512]), "kv_cache must be \\[blocks, block_size, 1, 576\\]"),
+    (dict(quant_scale0=None), "quant_scale0 must be a \\[1\\] tensor"),
+])
+def test_each_limit_has_a_clear_error(changes, message):
+    a, kw = _broken(**changes)
+    with pytest.raises(ValueError, match=message):
+        run_op(a, kw)
+
+
+def test_token_limit_and_nz_block_size():
+    a, kw = make_inputs(tokens=4, cache_mode=3)
+    a["kv_cache"] = torch.zeros(4, 64, 1, 512, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="NZ cache\\) needs block_size 128"):
+        run_op(a, kw)
+    with torch._subclasses.FakeTensorMode() as fake:
+        a, kw = make_inputs(tokens=4)
+        a = {k: fake.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+        a["input"] = fake.from_tensor(torch.empty(1025, 2048, dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match="token count must be in 1..1024"):
+            run_op(a, kw)
