@@ -230,6 +230,124 @@ class NeoXModel(nn.Module):
         return x
 
 
+# -- DeepSeek MLA as serving engines write it: absorbed W_UK, paged KV cache ------------
+@dataclasses.dataclass
+class MLAConfig:
+    hidden: int = 2048
+    heads: int = 4
+    q_lora: int = 1536
+    kv_lora: int = 512
+    rope: int = 64
+    nope: int = 128
+    v_head: int = 128
+    block_size: int = 16
+    num_blocks: int = 16
+    rope_style: str = "half"  # "interleave": DeepSeek's original pairwise layout
+    eps: float = 1e-6
+
+
+def rope_tokens(x, cos, sin, style: str):
+    """RoPE on [T, ..., 64] with cos/sin [T, 64] broadcast over the middle dims.
+    "interleave" is DeepSeek's reference form: de-interleave the pairs, then rotate halves."""
+    while cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if style == "interleave":
+        x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).reshape(x.shape)
+    return x * cos + rotate_half(x) * sin
+
+
+class RMSNormWithBias(nn.Module):
+    """ATB's RmsNorm with a beta: weight * x / rms(x) + bias, in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim) + 0.1 * torch.randn(dim))
+        self.bias = nn.Parameter(0.1 * torch.randn(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float() + self.bias.float()).to(x.dtype)
+
+
+class W8A8Linear(nn.Module):
+    """Static per-tensor asymmetric activation quant, per-channel int8 weights."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.register_buffer("weight", torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8))
+        self.register_buffer("input_scale", torch.tensor([0.05]))
+        self.register_buffer("input_offset", torch.tensor([1.0]))
+        self.register_buffer("deq_scale", torch.rand(out_features) * 2e-4 + 1e-4)
+        self.register_buffer("quant_bias", torch.randint(-10, 10, (out_features,), dtype=torch.int32))
+
+    def forward(self, x):
+        dtype = x.dtype
+        q = torch.clamp(torch.round(x.float() / self.input_scale.float() + self.input_offset.float()), -128, 127)
+        acc = torch._int_mm(q.to(torch.int8), self.weight.t())
+        return ((acc + self.quant_bias).float() * self.deq_scale).to(dtype)
+
+
+class DeepSeekMLA(nn.Module):
+    """One MLA attention step over a paged cache. ``quant=True``: the w8a8 variant, whose
+    input RMSNorm (with beta) and quantize/dequantize sit inside the prologue."""
+
+    def __init__(self, cfg: MLAConfig = MLAConfig(), quant: bool = False):
+        super().__init__()
+        self.cfg, self.quant = cfg, quant
+        qkv_out = cfg.q_lora + cfg.kv_lora + cfg.rope
+        if quant:
+            self.input_layernorm = RMSNormWithBias(cfg.hidden, cfg.eps)
+            self.fused_qkv_a_proj = W8A8Linear(cfg.hidden, qkv_out)
+            self.q_a_layernorm = RMSNormWithBias(cfg.q_lora, cfg.eps)
+            self.q_b_proj = W8A8Linear(cfg.q_lora, cfg.heads * (cfg.nope + cfg.rope))
+        else:
+            self.fused_qkv_a_proj = nn.Linear(cfg.hidden, qkv_out, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora, cfg.eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora, cfg.heads * (cfg.nope + cfg.rope), bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora, cfg.eps)
+        self.w_uk = nn.Parameter(torch.randn(cfg.heads, cfg.nope, cfg.kv_lora) * 0.05)
+        self.w_uv = nn.Parameter(torch.randn(cfg.heads, cfg.kv_lora, cfg.v_head) * 0.05)
+        self.o_proj = nn.Linear(cfg.heads * cfg.v_head, cfg.hidden, bias=False)
+
+    def forward(self, x, cos, sin, slot_mapping, kv_cache, context_slots):
+        """x [T, hidden] (one token per sequence), cos/sin [T, rope], slot_mapping [T],
+        kv_cache [blocks, block_size, 1, kv_lora + rope], context_slots [T, L]: the cache
+        slots each token attends to (its sequence so far, itself included)."""
+        c = self.cfg
+        if self.quant:
+            x = self.input_layernorm(x)
+        q_c, kv = self.fused_qkv_a_proj(x).split([c.q_lora, c.kv_lora + c.rope], dim=-1)
+        q = self.q_b_proj(self.q_a_layernorm(q_c)).view(-1, c.heads, c.nope + c.rope)
+        q_nope, q_pe = q.split([c.nope, c.rope], dim=-1)
+        kv_c, k_pe = kv.split([c.kv_lora, c.rope], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c)
+        q_pe = rope_tokens(q_pe, cos, sin, c.rope_style)
+        k_pe = rope_tokens(k_pe, cos, sin, c.rope_style)
+        q_nope = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # absorbed W_UK
+        kv_cache.view(-1, c.kv_lora + c.rope)[slot_mapping] = torch.cat([kv_c, k_pe], dim=-1)
+        q_full = torch.cat([q_nope, q_pe], dim=-1)  # [T, N, 576]
+        keys = kv_cache.view(-1, c.kv_lora + c.rope)[context_slots]  # [T, L, 576]
+        scores = torch.einsum("tnd,tld->tnl", q_full.float(), keys.float()) / math.sqrt(c.nope + c.rope)
+        latent = torch.einsum("tnl,tlc->tnc", scores.softmax(-1), keys[..., : c.kv_lora].float())
+        out = torch.einsum("tnc,ncv->tnv", latent, self.w_uv.float()).to(x.dtype)
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+def mla_decode_inputs(cfg: MLAConfig, tokens: int, step: int, dtype=torch.bfloat16, seed: int = 0):
+    """Inputs of decode step ``step`` for ``tokens`` sequences: sequence t owns block t."""
+    g = torch.Generator().manual_seed(seed + step)
+    x = torch.randn(tokens, cfg.hidden, generator=g).to(dtype)
+    positions = torch.full((tokens,), step)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, cfg.rope, 2).float() / cfg.rope))
+    freqs = positions[:, None].float() * inv_freq[None]
+    emb = torch.cat([freqs, freqs], -1)
+    slot_mapping = torch.arange(tokens) * cfg.block_size + step
+    context = torch.arange(tokens)[:, None] * cfg.block_size + torch.arange(step + 1)[None]
+    return x, emb.cos().to(dtype), emb.sin().to(dtype), slot_mapping, context
+
+
 @dataclasses.dataclass
 class DemoCase:
     name: str

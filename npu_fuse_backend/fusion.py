@@ -76,15 +76,17 @@ class GraphBuilder:
 class Rewrite:
     """A matched subgraph and how to build its replacement.
 
-    ``build(builder)`` emits the new nodes and returns the node that takes over
-    the uses of ``anchor``. ``nodes`` are the other nodes of the matched subgraph
-    (never its inputs); with the anchor, those left without users are erased.
+    ``build(builder)`` emits the new nodes (before ``anchor``) and returns the node
+    that takes over the uses of ``anchor``, or, for a subgraph with several outputs,
+    a dict from each output node to its replacement. ``nodes`` are the other nodes of
+    the matched subgraph (never its inputs); with the anchor, those left without users
+    are erased.
     """
 
     anchor: Node
     nodes: list[Node]
     op: str
-    build: Callable[[GraphBuilder], Node]
+    build: Callable[[GraphBuilder], Union[Node, dict]]
     detail: str = ""
 
 
@@ -150,14 +152,15 @@ class _Journal:
         self.inserted: list[Node] = []
         self.replaced: dict[Node, Node] = {}
 
-    def apply(self, rewrite: Rewrite, fake_mode: Any) -> Node:
+    def apply(self, rewrite: Rewrite, fake_mode: Any) -> None:
         builder = GraphBuilder(self.graph, fake_mode, self.replaced, self.inserted)
         with self.graph.inserting_before(rewrite.anchor):
-            new = rewrite.build(builder)
-        new.meta.setdefault("stack_trace", rewrite.anchor.meta.get("stack_trace"))
-        rewrite.anchor.replace_all_uses_with(new)
-        self.replaced[rewrite.anchor] = new
-        return new
+            built = rewrite.build(builder)
+        outputs = built if isinstance(built, dict) else {rewrite.anchor: built}
+        for old, new in outputs.items():
+            new.meta.setdefault("stack_trace", old.meta.get("stack_trace"))
+            old.replace_all_uses_with(new)
+            self.replaced[old] = new
 
     def rollback(self) -> None:
         for old, new in reversed(list(self.replaced.items())):

@@ -13,7 +13,7 @@ Pattern. Two shapes of subgraph in aten graphs after AOTAutograd:
   cos/sin are rebuilt from ``freqs_cis`` in the graph, each value repeated per pair.
 
 Constraints (each failure is a near-miss with its reason): x is 4-D (a 3-D
-``[T, N, D]`` x is lifted to 4-D and back), static even head dim, cos/sin
+``[T, N, D]`` or 2-D ``[T, D]`` x is lifted to 4-D and back), static even head dim, cos/sin
 broadcast to x with last dim D, float16/bfloat16/float32, no intermediate used
 outside the subgraph, and the rotated tensor is the one multiplied by cos.
 
@@ -375,27 +375,26 @@ class RotaryMulFusion(FusionPass):
         if problem:
             return self.near_miss(anchor, problem)
         out_dtype = val(anchor).dtype
-        lift = rank(x) == 3
+        x_rank = rank(x)
 
         def build(b: GraphBuilder) -> Node:
-            xx, cc, ss = (_cast(b, t, out_dtype) for t in (x, cos, sin))
-            if lift:
-                xx = b.call(aten.unsqueeze.default, xx, 0)
-            cc, ss = _to_rank4(b, cc), _to_rank4(b, ss)
+            xx, cc, ss = (_lift(b, _cast(b, t, out_dtype), x_rank) for t in (x, cos, sin))
             if backward:
                 grads = b.call(torch.ops.npu_fuse.rotary_mul_backward.default, xx, None, cc, ss, rot.mode, False)
                 out = b.call(operator.getitem, grads, 0)
             else:
                 out = b.call(torch.ops.npu_fuse.rotary_mul.default, xx, cc, ss, rot.mode)
-            return b.call(aten.squeeze.dim, out, 0) if lift else out
+            for dim in reversed(LIFT[x_rank]):
+                out = b.call(aten.squeeze.dim, out, dim)
+            return out
 
         op = "rotary_mul_backward" if backward else self.op
         return Rewrite(anchor, nodes, op, build, detail=f"mode={rot.mode}")
 
     def _check(self, anchor: Node, x: Node, cos: Node, sin: Node, nodes: list) -> Optional[str]:
         xv, cv, sv = val(x), val(cos), val(sin)
-        if xv.dim() not in (3, 4):
-            return f"x {x.name} is {xv.dim()}-D; rotary_mul takes 4-D BSND/BNSD (or 3-D [T, N, D]) x"
+        if xv.dim() not in LIFT:
+            return f"x {x.name} is {xv.dim()}-D; rotary_mul takes 4-D BSND/BNSD x (3-D [T, N, D] and 2-D [T, D] are lifted)"
         head_dim = static_int(xv.shape[-1])
         if head_dim is None:
             return f"head dim of {x.name} is symbolic ({xv.shape[-1]}); rotary_mul needs a static one"
@@ -477,6 +476,19 @@ def _cast(b: GraphBuilder, node: Node, dtype: torch.dtype) -> Node:
     if val(node).dtype == dtype:
         return node
     return b.call(aten._to_copy.default, node, dtype=dtype)
+
+
+# Unsqueezes that take x to BSND: [T, N, D] -> [1, T, N, D]; [T, D] -> [1, T, 1, D].
+LIFT = {4: (), 3: (0,), 2: (0, 2)}
+
+
+def _lift(b: GraphBuilder, node: Node, x_rank: int) -> Node:
+    """x, or a table broadcast against x (right-aligned), lifted as LIFT lifts x."""
+    while rank(node) < x_rank:
+        node = b.call(aten.unsqueeze.default, node, 0)
+    for dim in LIFT[x_rank]:
+        node = b.call(aten.unsqueeze.default, node, dim)
+    return node
 
 
 def _to_rank4(b: GraphBuilder, node: Node) -> Node:
