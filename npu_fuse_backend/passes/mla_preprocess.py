@@ -99,7 +99,7 @@ def _normalized(node) -> Optional[tuple]:
         if not is_call(scale, aten.rsqrt.default):
             continue
         total = _operands(scale.args[0], aten.add.Tensor)
-        if total is None or not is_call(total[0], aten.mean.dim) or not isinstance(total[1], float):
+        if total is None or not is_call(total[0], aten.mean.dim):
             continue
         mean = total[0]
         square = mean.args[0]
@@ -112,11 +112,18 @@ def _normalized(node) -> Optional[tuple]:
     return None
 
 
+def _transposed(node) -> Optional[Node]:
+    """w for w.t() (``t`` or, after inductor's decompositions, ``permute(w, [1, 0])``)."""
+    if is_call(node, aten.t.default) or (is_call(node, aten.permute.default) and list(node.args[1]) == [1, 0]):
+        return node.args[0]
+    return None
+
+
 def match_linear(node) -> Optional[dict]:
     """x @ w^T (mm + t), or the w8a8 form: dequant(int_mm(quant(RMSNorm(x)), w^T))."""
     out, casts = _uncast(node)
-    if is_call(out, aten.mm.default) and is_call(out.args[1], aten.t.default):
-        return dict(x=out.args[0], w=out.args[1].args[0], quant=None, nodes=[*casts, out, out.args[1]])
+    if is_call(out, aten.mm.default) and _transposed(out.args[1]) is not None:
+        return dict(x=out.args[0], w=_transposed(out.args[1]), quant=None, nodes=[*casts, out, out.args[1]])
     scaled = _operands(out, aten.mul.Tensor)
     if scaled is None:
         return None
@@ -126,12 +133,12 @@ def match_linear(node) -> Optional[dict]:
         if biased is None or not is_call(biased[0], aten._int_mm.default):
             continue
         int_mm, bias = biased
-        if not is_call(int_mm.args[1], aten.t.default):
+        if _transposed(int_mm.args[1]) is None:
             return None
         quant = _match_quantize(int_mm.args[0])
         if quant is None:
             return None
-        return dict(x=quant["y"], w=int_mm.args[1].args[0], quant=dict(quant, bias=bias, descale=descale),
+        return dict(x=quant["y"], w=_transposed(int_mm.args[1]), quant=dict(quant, bias=bias, descale=descale),
                     nodes=[*casts, out, *acc_casts, acc, int_mm, int_mm.args[1], *quant["nodes"]])
     return None
 
@@ -264,6 +271,9 @@ class MlaPreprocessFusion(FusionPass):
         absorbed = self._absorption(q3, q_rope_add)
         nodes += [*kv_nodes, *ctkv["nodes"], *k_site["nodes"], *cache_write["nodes"], *absorbed["nodes"]]
         eps = {norm1["eps"], ctkv["eps"]} | ({norm0["eps"]} if norm0 else set())
+        if not all(isinstance(e, float) for e in eps):
+            raise _Miss("an RMSNorm eps is a runtime value (dynamic=True turns float attributes into inputs; "
+                        "mark only the token dim dynamic); the op needs a constant")
         if len(eps) != 1:
             raise _Miss(f"the RMSNorms use different eps {sorted(eps)}; the op has one")
         q_out = absorbed["q_out"]

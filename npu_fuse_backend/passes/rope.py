@@ -171,6 +171,8 @@ def _stacked_pair(node) -> Optional[tuple]:
 
 def match_rotation(node) -> Union[Rotation, str, None]:
     """R(x) rooted at node, a reason string for a rotation that breaks a rule, or None."""
+    if not rank(node):  # not a tensor node, or 0-d
+        return None
     if is_call(node, aten.cat.default) and len(node.args[0]) == 2:
         cat_rank = rank(node)
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
@@ -234,6 +236,8 @@ def _placed(node) -> Optional[tuple]:
 
 def match_rotation_transpose(node) -> Optional[Rotation]:
     """R^T(y) rooted at node, as autograd writes it; Rotation.source is y."""
+    if not rank(node):  # not a tensor node, or 0-d
+        return None
     if is_call(node, aten.cat.default) and len(node.args[0]) == 2:  # backward of split + cat
         dim = node.args[1] if len(node.args) > 1 else 0
         first, second = node.args[0]
