@@ -35,35 +35,36 @@ def _decompose_fused_ops_pass():
     return _decompose_pass
 
 
-def _mutated_arg(op) -> str:
-    (name,) = [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    return name
+def _mutated_args(op) -> list:
+    return [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
 
 
 def _is_fused_in_place_op(match) -> bool:
-    """An auto_functionalized_v2 of one of our in-place ops, mutating a whole base (no view)."""
+    """An auto_functionalized_v2 of one of our mutating ops, each mutated arg a whole base."""
     node = match.nodes[0]
     op = node.args[0]
-    if op not in DECOMPOSITIONS:
-        return False
-    name = _mutated_arg(op)
-    return f"_{name}_base_index" in node.kwargs and f"_{name}_size" not in node.kwargs
+    return op in DECOMPOSITIONS and all(
+        f"_{name}_base_index" in node.kwargs and f"_{name}_size" not in node.kwargs for name in _mutated_args(op))
 
 
 def _decompose_in_place(match, op, **kwargs) -> None:
-    """auto_functionalized_v2(op, x=base, ...) -> (None, decomposition(base, ...)): the
-    functional meaning of the in-place op, for inductor to fuse."""
-    name = _mutated_arg(op)
-    base = kwargs["_all_bases"][kwargs[f"_{name}_base_index"]]
+    """auto_functionalized_v2(op, ...) -> its functional decomposition, for inductor to fuse.
+
+    A mutating op's decomposition takes the op's arguments (mutated ones as values) and
+    returns ``(outputs, new values of the mutated args)``; auto_functionalized_v2's result
+    is those outputs (or a None when there are none) followed by the new values."""
+    names = _mutated_args(op)
     op_kwargs = {k: v for k, v in kwargs.items() if not k.startswith("_")}
-    op_kwargs[name] = base
-    names = [k for k, v in op_kwargs.items() if isinstance(v, Node)]
+    for name in names:
+        op_kwargs[name] = kwargs["_all_bases"][kwargs[f"_{name}_base_index"]]
+    traced_names = [k for k, v in op_kwargs.items() if isinstance(v, Node)]
     decomp = DECOMPOSITIONS[op]
 
     def replacement(*traced):
-        return None, decomp(**{**op_kwargs, **dict(zip(names, traced))})
+        outputs, mutated = decomp(**{**op_kwargs, **dict(zip(traced_names, traced))})
+        return (*(outputs or (None,)), *mutated)
 
-    match.replace_by_example(replacement, [op_kwargs[k] for k in names], run_functional_passes=False)
+    match.replace_by_example(replacement, [op_kwargs[k] for k in traced_names], run_functional_passes=False)
 
 
 def _decompose_with(decomp: Callable) -> Callable:

@@ -4,7 +4,7 @@ and benchmarks. Nothing here knows about npu_fuse: they are plain PyTorch.
 
 import dataclasses
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -352,13 +352,26 @@ def mla_decode_inputs(cfg: MLAConfig, tokens: int, step: int, dtype=torch.bfloat
 class DemoCase:
     name: str
     make: Callable[[], nn.Module]
-    inputs: Callable[[torch.dtype], tuple]
+    inputs: Callable[[torch.dtype], list]  # argument tuples of the calls to make, in order
+    dtype: Optional[torch.dtype] = None  # the dtype this model runs in, whatever the demo's
 
 
 def _hidden_and_positions(batch=2, seq=64, hidden=256):
     def make(dtype):
         x = torch.randn(batch, seq, hidden, dtype=dtype)
-        return x, torch.arange(seq).expand(batch, seq)
+        return [(x, torch.arange(seq).expand(batch, seq))]
+
+    return make
+
+
+def _mla_decode_steps(cfg: MLAConfig, tokens: int = 4, steps: int = 3):
+    def make(dtype):
+        cache = torch.zeros(cfg.num_blocks, cfg.block_size, 1, cfg.kv_lora + cfg.rope, dtype=dtype)
+        calls = []
+        for step in range(steps):
+            x, cos, sin, slots, context = mla_decode_inputs(cfg, tokens, step, dtype)
+            calls.append((x, cos, sin, slots, cache, context))
+        return calls
 
     return make
 
@@ -372,4 +385,6 @@ def demo_cases(layers: int = 1, seq: int = 64) -> list:
                  _hidden_and_positions(seq=seq)),
         DemoCase("neox-partial", lambda: NeoXModel(DecoderConfig(kv_heads=4, layers=layers, rotary_dim=16)),
                  _hidden_and_positions(seq=seq)),
+        DemoCase("deepseek-mla-decode", lambda: DeepSeekMLA(MLAConfig()), _mla_decode_steps(MLAConfig()),
+                 dtype=torch.bfloat16),
     ]

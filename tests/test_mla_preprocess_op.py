@@ -174,3 +174,17 @@ def test_token_limit_and_nz_block_size():
         a["input"] = fake.from_tensor(torch.empty(1025, 2048, dtype=torch.bfloat16))
         with pytest.raises(ValueError, match="token count must be in 1..1024"):
             run_op(a, kw)
+
+
+@pytest.mark.parametrize("cache_mode", range(4))
+@pytest.mark.parametrize("skipped", ["first", "all"])
+def test_functional_decomposition_matches_the_in_place_op(cache_mode, skipped):
+    """What inductor compiles (no mutation, static shapes) writes exactly what the op writes."""
+    a, kw = make_inputs(cache_mode=cache_mode)
+    if skipped == "all":
+        a["slotmapping"][:] = -1
+    copy = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+    out0, kv, out1, kv_rope = run_op(a, kw)
+    (f0, f1), (f_kv, f_kv_rope) = M.mla_preprocess_functional(**copy, **kw, epsilon=1e-6)
+    assert torch.equal(f0, out0) and torch.equal(f1, out1)
+    assert torch.equal(f_kv, kv) and torch.equal(f_kv_rope, kv_rope)

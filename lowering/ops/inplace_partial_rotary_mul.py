@@ -102,12 +102,12 @@ def _(grad, r1, r2, *, rotary_mode="interleave", partial_slice=(0, 0)):
 
 
 def _functional(x, r1, r2, rotary_mode="interleave", partial_slice=(0, 0)):
-    """The op as a function of its inputs: what inductor lowers it to."""
+    """The op as a function of its inputs, what inductor lowers it to: (no outputs, new x)."""
     start, end = partial_slice
     if start == end:
-        return x.clone()
+        return (), (x.clone(),)
     rotated = partial_rotary_reference(x[..., start:end], r1, r2)
-    return torch.cat([x[..., :start], rotated, x[..., end:]], dim=-1)
+    return (), (torch.cat([x[..., :start], rotated, x[..., end:]], dim=-1),)
 
 
 decomposition(torch.ops.npu_fuse.inplace_partial_rotary_mul.default)(_functional)

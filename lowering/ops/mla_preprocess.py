@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..registry import decomposition
 from ..rope_math import rotate
 
 Q_LORA, KV_LORA, ROPE, NOPE = 1536, 512, 64, 128
@@ -192,9 +193,10 @@ def mla_preprocess_stages(a: dict) -> dict:
         stages["q_latent_int8"], q = project(q_latent, a["gamma1"], a["beta1"], a["quant_scale1"],
                                              a["quant_offset1"], a["wuq"], a["descale1"], a["bias1"])
     else:
-        qkv = (x.float() @ a["wdqkv"].float().t()).to(dtype)
+        # matmuls in the input dtype (fp32 accumulation), as the NPU's cube unit computes them
+        qkv = x @ a["wdqkv"].t()
         q_latent, kv = qkv.split([Q_LORA, KV_LORA + ROPE], dim=-1)
-        q = (rms_norm(q_latent, a["gamma1"], a["beta1"], eps).to(dtype).float() @ a["wuq"].float().t()).to(dtype)
+        q = rms_norm(q_latent, a["gamma1"], a["beta1"], eps).to(dtype) @ a["wuq"].t()
     stages["qkv"] = qkv
     heads = a["wuk"].shape[0]
     q_nope, q_rope = q.view(-1, heads, NOPE + ROPE).split([NOPE, ROPE], dim=-1)
@@ -203,9 +205,60 @@ def mla_preprocess_stages(a: dict) -> dict:
     q_rope = (q_rope.float() * cos + rotate(q_rope.float(), "half") * sin).to(dtype)
     k_rope = (kv[:, KV_LORA:].float() * a["cos"].float() + rotate(kv[:, KV_LORA:].float(), "half")
               * a["sin"].float()).to(dtype)
-    q_nope = torch.bmm(q_nope.transpose(0, 1).float(), a["wuk"].float()).transpose(0, 1).to(dtype).contiguous()
+    q_nope = torch.bmm(q_nope.transpose(0, 1), a["wuk"]).transpose(0, 1).contiguous()
     stages.update(q_nope_absorbed=q_nope, q_rope=q_rope, ctkv=ctkv, k_rope=k_rope)
     return stages
+
+
+def cache_written(cache: Tensor, rows: Tensor, slots: Tensor, nz: bool) -> Tensor:
+    """Functional cache write (a new cache) for compilers, with static shapes and no copy of
+    the cache. A skipped token (slot < 0) repeats the first written token's write (same
+    place, same value), so the order of duplicate writes cannot matter; with no token
+    written, it writes some of the cache's own values back in place."""
+    blocks, block_size, _, dim = cache.shape
+    rows, slot = rows.to(cache.dtype), slots.long()[:, None]
+    if nz:  # element d of a slot's row lives at [block][d // c0][offset][d % c0] of the flat cache
+        c0 = 32 if cache.dtype == torch.int8 else 16
+        d = torch.arange(dim, device=cache.device)[None, :]
+        block, offset = slot // block_size, slot % block_size
+        target = cache.reshape(-1)
+        index = block * block_size * dim + (d // c0) * block_size * c0 + offset * c0 + d % c0
+        noop_index, noop_rows = d, target[:dim].view(1, dim)  # elements 0..dim-1 rewritten as they are
+    else:  # whole rows of the [slots, dim] view
+        target = cache.view(-1, dim)
+        index, noop_index, noop_rows = slot, slot.new_zeros(1, 1), target[:1]
+    keep = slot >= 0
+    first = torch.argmax(keep.int()).view(1)  # the first written token (0 when none is)
+    first_writes = keep.index_select(0, first)
+    index = torch.where(keep, index, torch.where(first_writes, index.index_select(0, first), noop_index))
+    rows = torch.where(keep, rows, torch.where(first_writes, rows.index_select(0, first), noop_rows))
+    if nz:
+        return target.index_put((index.reshape(-1),), rows.reshape(-1)).view(cache.shape)
+    return target.index_put((index.reshape(-1),), rows).view(cache.shape)
+
+
+def mla_preprocess_functional(**a) -> tuple:
+    """The op without mutation: ((q_out0, q_out1), (new kv_cache, new kv_cache_rope))."""
+    s = mla_preprocess_stages(a)
+    mode, slots = a["cache_mode"], a["slotmapping"]
+    if mode == KVCACHE:
+        cache = cache_written(a["kv_cache"], torch.cat([s["ctkv"], s["k_rope"]], dim=-1), slots, nz=False)
+        return (torch.cat([s["q_nope_absorbed"], s["q_rope"]], dim=-1), s["q_rope"].new_empty(0)), \
+            (cache, a["kv_cache_rope"].clone())
+    ctkv, q_nope = _mode_quantized(a, s)
+    nz = mode in (INT8_NZCACHE, NZCACHE)
+    return (q_nope, s["q_rope"]), (cache_written(a["kv_cache"], ctkv, slots, nz),
+                                   cache_written(a["kv_cache_rope"], s["k_rope"], slots, nz))
+
+
+def _mode_quantized(a: dict, s: dict) -> tuple:
+    """ctkv and q_nope as the cache mode stores and returns them (int8 in INT8_NZCACHE)."""
+    ctkv, q_nope = s["ctkv"], s["q_nope_absorbed"]
+    if a["cache_mode"] == INT8_NZCACHE:
+        ctkv = torch.clamp(torch.round(ctkv.float() * a["ctkv_scale"].float()), -128, 127)
+        scale = a["q_nope_scale"].float().reshape(1, -1, 1)
+        q_nope = torch.clamp(torch.round(q_nope.float() * scale), -128, 127).to(torch.int8)
+    return ctkv, q_nope
 
 
 def _run(a: dict) -> tuple:
@@ -215,12 +268,7 @@ def _run(a: dict) -> tuple:
     if mode == KVCACHE:
         write_cache(a["kv_cache"], torch.cat([s["ctkv"], s["k_rope"]], dim=-1), slots, nz=False)
         return torch.cat([s["q_nope_absorbed"], s["q_rope"]], dim=-1), s["q_rope"].new_empty(0)
-    ctkv = s["ctkv"]
-    q_nope = s["q_nope_absorbed"]
-    if mode == INT8_NZCACHE:
-        ctkv = torch.clamp(torch.round(ctkv.float() * a["ctkv_scale"].float()), -128, 127)
-        scale = a["q_nope_scale"].float().reshape(1, -1, 1)
-        q_nope = torch.clamp(torch.round(q_nope.float() * scale), -128, 127).to(torch.int8)
+    ctkv, q_nope = _mode_quantized(a, s)
     nz = mode in (INT8_NZCACHE, NZCACHE)
     write_cache(a["kv_cache"], ctkv, slots, nz)
     write_cache(a["kv_cache_rope"], s["k_rope"], slots, nz)
@@ -260,3 +308,6 @@ def mla_preprocess(input, gamma0, beta0, wdqkv, descale0, gamma1, beta1, wuq, de
         input, gamma0, beta0, wdqkv, descale0, gamma1, beta1, wuq, descale1, gamma2, cos, sin, wuk,
         kv_cache, kv_cache_rope, slotmapping, **kwargs)
     return q_out0, kv_cache, q_out1, kv_cache_rope
+
+
+decomposition(torch.ops.npu_fuse.mla_preprocess.default)(mla_preprocess_functional)

@@ -360,13 +360,13 @@ class MlaPreprocessFusion(FusionPass):
             if not (is_call(q_out, aten.cat.default) and len(q_out.args[0]) == 2 and q_out.args[0][1] is q_rope_add):
                 continue
             back = q_out.args[0][0]
-            if not (is_call(back, aten.transpose.int) and sorted(back.args[1:3]) == [0, 1]):
+            if not _swaps_01(back):
                 continue
             bmm = back.args[0]
             if not is_call(bmm, aten.bmm.default):
                 continue
             front, w_uk = bmm.args
-            if not (is_call(front, aten.transpose.int) and sorted(front.args[1:3]) == [0, 1]):
+            if not _swaps_01(front):
                 continue
             q_nope = _piece(front.args[0], mla.NOPE + mla.ROPE)
             if q_nope is None or q_nope[0] is not q3 or q_nope[1:3] != (0, mla.NOPE):
@@ -421,6 +421,13 @@ class MlaPreprocessFusion(FusionPass):
         late = [n for n in inputs if order[n] > order[anchor]]
         if late:
             raise _Miss(f"{late[0].name} is computed after the prologue's outputs")
+
+
+def _swaps_01(node) -> bool:
+    """x.transpose(0, 1) of a 3-D x (``permute(x, [1, 0, 2])`` after inductor's decompositions)."""
+    if is_call(node, aten.transpose.int):
+        return sorted(d % 3 for d in node.args[1:3]) == [0, 1]
+    return is_call(node, aten.permute.default) and list(node.args[1]) == [1, 0, 2]
 
 
 def _table_root(node):
