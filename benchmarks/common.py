@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 
-from npu_fuse_backend.timing import interleaved_ms, median_ms  # noqa: F401  (re-exported)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -10,7 +10,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved_ms, table, write_results  # noqa: E402
+from common import table, write_results  # noqa: E402
+
+from npu_fuse_backend.timing import interleaved_ms  # noqa: E402
 
 from lowering.ops.inplace_partial_rotary_mul import inplace_partial_rotary_mul  # noqa: E402
 

@@ -12,7 +12,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved_ms, table, write_results  # noqa: E402
+from common import table, write_results  # noqa: E402
+
+from npu_fuse_backend.timing import interleaved_ms  # noqa: E402
 
 import lowering  # noqa: E402,F401
 

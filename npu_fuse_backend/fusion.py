@@ -42,6 +42,13 @@ class PassContext:
     soc: str  # "generic" or a named SoC
     kind: str  # "forward", "backward" or "inference"
     fake_mode: Any
+    _positions: Optional[dict] = None
+
+    def position(self, node: Node) -> int:
+        """The node's index in the graph (topological order), computed once per graph."""
+        if self._positions is None:
+            self._positions = {n: i for i, n in enumerate(self.graph.nodes)}
+        return self._positions[node]
 
 
 class GraphBuilder:

@@ -14,6 +14,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 aten = torch.ops.aten
 INT_MAX = sys.maxsize
+VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 def val(node: Any) -> Any:
@@ -71,6 +72,14 @@ def slice_args(node: Node):
     end = node.kwargs.get("end", args[3] if args[3] is not None else INT_MAX)
     step = node.kwargs.get("step", args[4] if args[4] is not None else 1)
     return dim, start, end, step
+
+
+def slice_scatter_args(node: Node):
+    """(dim, start, end, step) of ``aten.slice_scatter(base, src, dim, start, end, step)``."""
+    args = list(node.args[2:]) + [None] * (6 - len(node.args))
+    defaults = (0, 0, INT_MAX, 1)
+    return tuple(node.kwargs.get(name, arg if arg is not None else default)
+                 for name, arg, default in zip(("dim", "start", "end", "step"), args, defaults))
 
 
 def is_noop_slice(node: Node) -> bool:

@@ -28,7 +28,7 @@ op's limits are gates: Ascend910B family only, at most 1024 tokens, block size i
 """
 
 import operator
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 from torch.fx import Node
@@ -36,13 +36,11 @@ from torch.fx import Node
 from lowering.ops import mla_preprocess as mla
 
 from ..fusion import FusionPass, GraphBuilder, PassContext, Rewrite, register_fusion
-from ..report import NearMiss
 from ..soc import A2_A3, GENERIC
-from .graph_utils import aten, is_call, rank, static_int, users_outside, val
+from .graph_utils import VIEWS, aten, is_call, rank, static_int, users_outside, val
 from .rope import RopeSite, _last_dim_piece, match_rope_site
 
 CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
-VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 def _uncast(node):
@@ -286,7 +284,7 @@ class MlaPreprocessFusion(FusionPass):
                     qkv_lin=qkv_lin, q_lin=q_lin, w_uk=absorbed["w_uk"], cos=k_site["cos"], sin=k_site["sin"],
                     cache=cache_write["cache"], slots=cache_write["slots"], wrap=cache_write["wrap"],
                     heads=heads, eps=eps.pop(), permute=bool(deinterleave))
-        anchor = min([q_out, cache_write["new_cache"]], key=lambda n: self._order(ctx)[n])
+        anchor = min([q_out, cache_write["new_cache"]], key=ctx.position)
         self._inputs_precede(ctx, anchor, args)
         others = [n for n in (q_out, cache_write["new_cache"]) if n is not anchor]
 
@@ -403,13 +401,7 @@ class MlaPreprocessFusion(FusionPass):
         if tokens is None:
             raise _Miss(f"token count is symbolic; {ctx.soc}'s MlaPreprocess takes at most {mla.MAX_TOKENS}")
 
-    def _order(self, ctx):
-        if getattr(self, "_positions", None) is None or self._positions[0] is not ctx.graph:
-            self._positions = (ctx.graph, {n: i for i, n in enumerate(ctx.graph.nodes)})
-        return self._positions[1]
-
     def _inputs_precede(self, ctx, anchor, args):
-        order = self._order(ctx)
         inputs = [v for v in args.values() if isinstance(v, Node)]
         for info in (args["norm0"], args["norm1"], args["ctkv"]):
             if info:
@@ -418,7 +410,7 @@ class MlaPreprocessFusion(FusionPass):
             inputs.append(lin["w"])
             if lin["quant"]:
                 inputs += [lin["quant"][k] for k in ("scale", "offset", "bias", "descale")]
-        late = [n for n in inputs if order[n] > order[anchor]]
+        late = [n for n in inputs if ctx.position(n) > ctx.position(anchor)]
         if late:
             raise _Miss(f"{late[0].name} is computed after the prologue's outputs")
 

@@ -34,7 +34,8 @@ from ..fusion import FusionPass, GraphBuilder, PassContext, Rewrite, register_fu
 from ..report import NearMiss
 from ..soc import A2_A3, ASCEND950, GENERIC
 from .graph_utils import (
-    aten, broadcasts_to, describe, is_call, norm_dim, rank, shape_eq, slice_args, static_int, users_outside, val,
+    aten, broadcasts_to, describe, is_call, norm_dim, rank, shape_eq, slice_scatter_args, static_int, users_outside,
+    val,
 )
 from .rope import RopeSite, _last_dim_piece, _to_rank4, match_rope_site
 
@@ -134,7 +135,7 @@ class PartialRotaryFusion(FusionPass):
         if found is None:
             return None
         site, x, start, end, x_slices = found
-        dim, s_start, s_end, step = slice_args(_ScatterAsSlice(scatter))
+        dim, s_start, s_end, step = slice_scatter_args(scatter)
         head_dim = static_int(val(base).shape[-1])
         if (norm_dim(dim, rank(base)) != rank(base) - 1 or static_int(step) != 1 or
                 static_int(s_start) != start or min(static_int(s_end) or -1, head_dim or 0) != end):
@@ -189,11 +190,3 @@ class PartialRotaryFusion(FusionPass):
         if leaked is not None:
             return f"intermediate {describe(leaked)} is used outside the subgraph"
         return None
-
-
-class _ScatterAsSlice:
-    """slice_scatter(base, src, dim, start, end, step) read as slice(base, dim, start, end, step)."""
-
-    def __init__(self, scatter: Node):
-        self.args = (scatter.args[0], *scatter.args[2:])
-        self.kwargs = scatter.kwargs

@@ -37,12 +37,11 @@ from torch.fx import Node
 from ..fusion import FusionPass, GraphBuilder, PassContext, Rewrite, register_fusion
 from ..report import NearMiss
 from .graph_utils import (
-    INT_MAX, aten, broadcasts_to, describe, is_call, norm_dim, rank, same_value, shape_eq, size_eq,
-    skip_noop_slices, slice_args, static_int, users_outside, val,
+    INT_MAX, VIEWS, aten, broadcasts_to, describe, is_call, norm_dim, rank, same_value, shape_eq, size_eq,
+    skip_noop_slices, slice_args, slice_scatter_args, static_int, users_outside, val,
 )
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 @dataclasses.dataclass
@@ -220,9 +219,7 @@ def _placed(node) -> Optional[tuple]:
         nodes = [node]
     elif is_call(node, aten.slice_scatter.default) and _is_zeros(node.args[0]):
         t = node.args[1]
-        dim, start, end, step = (list(node.args[2:]) + [0, 0, INT_MAX, 1][len(node.args) - 2:])[:4]
-        dim, start, end, step = (node.kwargs.get(k, v) for k, v in
-                                 zip(("dim", "start", "end", "step"), (dim, start, end, step)))
+        dim, start, end, step = slice_scatter_args(node)
         nodes = [node, node.args[0]]
     else:
         return None

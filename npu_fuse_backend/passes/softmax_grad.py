@@ -70,7 +70,6 @@ class SoftmaxGradExtFusion(FusionPass):
     op = "softmax_grad_ext"
 
     def find(self, ctx: PassContext):
-        self._order = None
         for node in ctx.graph.nodes:
             if is_call(node, aten.mul.Tensor, aten.div.Tensor) and len(node.args) == 2:
                 chain = self._match_softmax_backward_data(node) or self._match_decomposed(node)
@@ -246,16 +245,14 @@ class SoftmaxGradExtFusion(FusionPass):
         """The chain node x2 is computed from, if any (walks back only past the chain's start)."""
         if not isinstance(chain.x2, Node):
             return None
-        if self._order is None:
-            self._order = {node: i for i, node in enumerate(ctx.graph.nodes)}
-        start = min(self._order[n] for n in chain.nodes)
+        start = min(ctx.position(n) for n in chain.nodes)
         inside = set(chain.nodes)
         stack, seen = [chain.x2], set()
         while stack:
             node = stack.pop()
             if node in inside:
                 return node
-            if node in seen or self._order[node] < start:
+            if node in seen or ctx.position(node) < start:
                 continue
             seen.add(node)
             stack.extend(node.all_input_nodes)
