@@ -28,7 +28,8 @@ def _decompose_fused_ops_pass():
         load_ops()
         patterns = PatternMatcherPass(pass_name="npu_fuse_decompose_fused_ops")
         for op, decomp in DECOMPOSITIONS.items():
-            register_graph_pattern(CallFunctionVarArgs(op), pass_dict=patterns)(_decompose_with(decomp))
+            if not _mutated_args(op):  # mutating ops only appear inside auto_functionalized_v2
+                register_graph_pattern(CallFunctionVarArgs(op), pass_dict=patterns)(_decompose_with(decomp))
         register_graph_pattern(CallFunctionVarArgs(torch.ops.higher_order.auto_functionalized_v2),
                                extra_check=_is_fused_in_place_op, pass_dict=patterns)(_decompose_in_place)
         _decompose_pass = patterns

@@ -2,6 +2,8 @@
 
 - ``@decomposition(op)``: the op written in aten ops, used by lowerings that
   compile aten (inductor) so that a fused op costs nothing where no NPU kernel exists.
+  A mutating op's decomposition is functional: it returns ``(outputs, new values of
+  the mutated arguments)``.
 - ``@npu_kernel(op)``: the op's torch_npu kernel, registered for the "npu" device
   only once torch_npu is loaded (the device type does not exist before).
 
