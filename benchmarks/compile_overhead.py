@@ -32,7 +32,9 @@ def main():
         pos = torch.arange(64).expand(2, 64)
         torch._dynamo.reset()
         nf.clear_reports()
-        with nf.config.patch(fallback=args.fallback), torch.set_grad_enabled(args.train):
+        # cold compiles: inductor's caches would otherwise shrink compile time on reruns
+        with nf.config.patch(fallback=args.fallback), torch.set_grad_enabled(args.train), \
+                torch._inductor.config.patch(force_disable_caches=True):
             start = time.perf_counter()
             out = torch.compile(model, backend="npu_fuse")(x, pos)
             if args.train:
@@ -50,7 +52,8 @@ def main():
         f"compile_overhead_{args.fallback}{'_train' if args.train else ''}", rows,
         f"Llama-style decoder stacks (hidden 256, 4 heads, GQA 2 kv heads), fallback {args.fallback}, "
         f"{'training (fw+bw)' if args.train else 'inference'}. compile_s is the first call's wall time "
-        "(Dynamo + AOTAutograd + passes + lowering). Goal: passes_% <= 2 and us_per_node flat.",
+        "(Dynamo + AOTAutograd + passes + lowering), inductor's caches disabled. Goal: passes_% <= 2 and "
+        "us_per_node flat.",
         table(rows, list(rows[0])))
     print(f"wrote {path}")
 

@@ -19,13 +19,6 @@ def _time_ms(fn, args, repeat: int) -> float:
         return median_ms(fn, args, repeat)
 
 
-def _cloned(steps: list) -> list:
-    """A copy of every tensor of a trace of calls, keeping shared tensors (a cache) shared."""
-    memo = {}
-    return [tuple(memo.setdefault(id(a), a.clone()) if isinstance(a, torch.Tensor) else a for a in args)
-            for args in steps]
-
-
 def _max_diff(got: list, expected: list) -> float:
     pairs = [(g, e) for g_args, e_args in zip(got, expected) for g, e in zip(g_args, e_args)
              if isinstance(g, torch.Tensor) and g.is_floating_point()]
@@ -34,7 +27,7 @@ def _max_diff(got: list, expected: list) -> float:
 
 def run_demo(dtype: torch.dtype, repeat: int, layers: int, seq: int, out=sys.stdout) -> list:
     import npu_fuse_backend as nf
-    from npu_fuse_backend.demo_models import demo_cases
+    from npu_fuse_backend.demo_models import clone_calls, demo_cases
 
     rows = []
     for case in demo_cases(layers=layers, seq=seq):
@@ -42,7 +35,7 @@ def run_demo(dtype: torch.dtype, repeat: int, layers: int, seq: int, out=sys.std
         case_dtype = case.dtype or dtype
         model = case.make().to(case_dtype).eval()
         steps = case.inputs(case_dtype)  # one call, or a few decode steps sharing a cache
-        eager_steps, fused_steps = _cloned(steps), _cloned(steps)
+        eager_steps, fused_steps = clone_calls(steps), clone_calls(steps)
         torch._dynamo.reset()
         nf.clear_reports()
         fused = torch.compile(model, backend="npu_fuse")
@@ -56,7 +49,7 @@ def run_demo(dtype: torch.dtype, repeat: int, layers: int, seq: int, out=sys.std
             near_misses += report.near_misses
         torch._dynamo.reset()
         inductor = torch.compile(model, backend="inductor")
-        last = _cloned(steps[-1:])[0]
+        last = clone_calls(steps[-1:])[0]
         rows.append({
             "model": case.name + ("" if case_dtype == dtype else f" ({str(case_dtype).replace('torch.', '')})"),
             "fused": ", ".join(f"{op} x{n}" for op, n in sorted(counts.items())) or "-",

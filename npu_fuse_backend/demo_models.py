@@ -356,6 +356,13 @@ class DemoCase:
     dtype: Optional[torch.dtype] = None  # the dtype this model runs in, whatever the demo's
 
 
+def clone_calls(calls: list) -> list:
+    """A copy of every tensor of a case's calls, keeping shared tensors (a cache) shared."""
+    memo = {}
+    return [tuple(memo.setdefault(id(a), a.clone()) if isinstance(a, torch.Tensor) else a for a in args)
+            for args in calls]
+
+
 def _hidden_and_positions(batch=2, seq=64, hidden=256):
     def make(dtype):
         x = torch.randn(batch, seq, hidden, dtype=dtype)

@@ -120,3 +120,35 @@ def test_training_style_code_is_a_near_miss_naming_the_missing_stage_and_still_f
     assert fused_ops(reports) == ["rotary_mul", "rotary_mul"]
     assert any("stage 9 (KV-cache write" in r or "stage 8 (weight absorption" in r for r in near_miss_reasons(reports))
     assert relative_error(outs[0], eager[0]) < 0.01
+
+
+@pytest.mark.parametrize("how", ["index_copy_", "scatter_"])
+def test_other_cache_write_forms(how):
+    cfg = MLAConfig()
+
+    class Variant(DeepSeekMLA):
+        def forward(self, x, cos, sin, slot_mapping, kv_cache, context_slots):
+            c = self.cfg
+            q_c, kv = self.fused_qkv_a_proj(x).split([c.q_lora, c.kv_lora + c.rope], dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q_c)).view(-1, c.heads, c.nope + c.rope)
+            q_nope, q_pe = q.split([c.nope, c.rope], dim=-1)
+            kv_c, k_pe = kv.split([c.kv_lora, c.rope], dim=-1)
+            kv_c = self.kv_a_layernorm(kv_c)
+            q_pe = q_pe * cos.unsqueeze(1) + torch.cat([-q_pe[..., 32:], q_pe[..., :32]], -1) * sin.unsqueeze(1)
+            k_pe = k_pe * cos + torch.cat([-k_pe[..., 32:], k_pe[..., :32]], -1) * sin
+            q_nope = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+            rows = torch.cat([kv_c, k_pe], dim=-1)
+            flat = kv_cache.view(-1, 576)
+            if how == "index_copy_":
+                flat.index_copy_(0, slot_mapping, rows)
+            else:
+                flat.scatter_(0, slot_mapping.unsqueeze(-1).expand(-1, 576), rows)
+            return torch.cat([q_nope, q_pe], dim=-1).float().sum(-1)
+
+    torch.manual_seed(0)
+    model = Variant(cfg).to(torch.bfloat16).eval()
+    eager, eager_cache, _ = decode(model, cfg, steps=2)
+    outs, cache, reports = decode(model, cfg, steps=2, compile_=True)
+    assert set(fused_ops(reports)) == {"mla_preprocess"}
+    assert all(relative_error(g, e) < 0.01 for g, e in zip(outs, eager))
+    assert relative_error(cache, eager_cache) < 0.01
