@@ -9,6 +9,7 @@ drop-in costs nothing. aot_eager runs the fused ops' reference kernels.
 from typing import Callable
 
 import torch
+import torch.utils._pytree as pytree
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch.fx import GraphModule, Node
@@ -70,22 +71,49 @@ def _decompose_in_place(match, op, **kwargs) -> None:
 
 def _decompose_with(decomp: Callable) -> Callable:
     def handler(match, *args, **kwargs) -> None:
-        # Trace only over tensor arguments; strings, ints and bools stay constants.
-        tensors = [a for a in args if isinstance(a, Node)]
+        # Trace only over the tensor (node) arguments, nested in lists too; the rest stays constant.
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        positions = [i for i, a in enumerate(flat) if isinstance(a, Node)]
 
-        def replacement(*traced):
-            it = iter(traced)
-            return decomp(*[next(it) if isinstance(a, Node) else a for a in args], **kwargs)
+        def call(values):
+            filled = list(flat)
+            for i, value in zip(positions, values):
+                filled[i] = value
+            call_args, call_kwargs = pytree.tree_unflatten(filled, spec)
+            return decomp(*call_args, **call_kwargs)
 
-        match.replace_by_example(replacement, tensors)
+        fakes = [flat[i].meta["val"] for i in positions]
+        with torch._guards.detect_fake_mode(fakes):
+            if call(fakes) is NotImplemented:  # the decomposition declines these arguments
+                return
+        match.replace_by_example(lambda *traced: call(traced), [flat[i] for i in positions])
 
     return handler
 
 
+def _decompose_glue(gm: GraphModule) -> int:
+    """Decompose the aten ops a fusion inserted around its fused op (``stack``, ``arange``...)
+    that inductor only accepts decomposed. AOTAutograd already applied inductor's table to
+    everything else, so only such inserted nodes can still have an entry in it."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.pattern_matcher import CallFunctionVarArgs, PatternMatcherPass, register_graph_pattern
+
+    table = select_decomp_table()
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function" and n.target in table}
+    if not targets:
+        return 0
+    patterns = PatternMatcherPass(pass_name="npu_fuse_decompose_glue")
+    for target in targets:
+        register_graph_pattern(CallFunctionVarArgs(target), pass_dict=patterns)(_decompose_with(table[target]))
+    return patterns.apply(gm.graph)
+
+
 def decompose_fused_ops(gm: GraphModule) -> int:
-    """Replace every fused-op call in gm by its decomposition; returns how many."""
+    """Replace every fused-op call in gm by its decomposition (and make what the fusions
+    inserted around them inductor-legal); returns how many fused ops were decomposed."""
     count = _decompose_fused_ops_pass().apply(gm.graph)
     if count:
+        _decompose_glue(gm)
         gm.graph.lint()
         gm.recompile()
     return count

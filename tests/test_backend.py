@@ -123,3 +123,26 @@ def test_torch_logs_shows_the_report():
     env = dict(os.environ, TORCH_LOGS="+npu_fuse", NPU_FUSE_FALLBACK="aot_eager")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert "fused rotary_mul at add" in out.stderr
+
+
+def test_inductor_lowering_accepts_every_fusion_glue():
+    """The nodes a fusion inserts around its op (stack, arange, casts...) must be ones
+    inductor lowers after its decompositions: compile each family's smallest case."""
+    def meta_complex(xq, freqs_cis):
+        xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+        return torch.view_as_real(xq_ * freqs_cis.view(1, xq_.shape[1], 1, -1)).flatten(3).type_as(xq)
+
+    def token_rope(q, cos, sin):  # 2-D [T, D] x, lifted to 4-D
+        return q * cos + torch.cat((-q[..., 8:], q[..., :8]), -1) * sin
+
+    def softmax_backward(g, p):
+        return (p * (g - (g * p).sum(-1, keepdim=True))) * 0.125
+
+    freqs = torch.polar(torch.ones(8, 8), torch.randn(8, 8))
+    cases = [(meta_complex, (torch.randn(2, 8, 4, 16, dtype=torch.bfloat16), freqs), "rotary_mul"),
+             (token_rope, (torch.randn(5, 16), torch.randn(5, 16), torch.randn(5, 16)), "rotary_mul"),
+             (softmax_backward, (torch.randn(2, 8, 8), torch.randn(2, 8, 8).softmax(-1)), "softmax_grad_ext")]
+    for fn, args, op in cases:
+        out, reports = compile_fused(fn, *args, fallback="inductor")
+        assert fused_ops(reports) == [op]
+        torch.testing.assert_close(out.float(), fn(*args).float(), atol=2e-2, rtol=2e-2)

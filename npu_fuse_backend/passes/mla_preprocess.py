@@ -141,13 +141,24 @@ def match_linear(node) -> Optional[dict]:
     return None
 
 
+def _int8_clamped(node) -> Optional[tuple]:
+    """(inner, nodes) for clamp(inner, -128, 127), or clamp_max(clamp_min(inner, -128), 127)."""
+    if is_call(node, aten.clamp.default) and tuple(node.args[1:3]) == (-128, 127):
+        return node.args[0], [node]
+    if is_call(node, aten.clamp_max.default) and node.args[1] == 127 and \
+            is_call(node.args[0], aten.clamp_min.default) and node.args[0].args[1] == -128:
+        return node.args[0].args[0], [node, node.args[0]]
+    return None
+
+
 def _match_quantize(node) -> Optional[dict]:
     """int8(clamp(round(y / scale + offset), -128, 127))."""
     clamp, casts = _uncast(node)
-    if not (casts and val(node).dtype == torch.int8 and is_call(clamp, aten.clamp.default)
-            and tuple(clamp.args[1:3]) == (-128, 127) and is_call(clamp.args[0], aten.round.default)):
+    clamped = _int8_clamped(clamp)
+    if not (casts and val(node).dtype == torch.int8 and clamped and is_call(clamped[0], aten.round.default)):
         return None
-    shifted = _operands(clamp.args[0].args[0], aten.add.Tensor)
+    rounded, clamp_nodes = clamped
+    shifted = _operands(rounded.args[0], aten.add.Tensor)
     if shifted is None:
         return None
     divided = _operands(shifted[0], aten.div.Tensor)
@@ -157,7 +168,7 @@ def _match_quantize(node) -> Optional[dict]:
     scale, scale_casts = _uncast(divided[1])
     y, y_casts = _uncast(divided[0])
     return dict(y=y, scale=scale, offset=offset,
-                nodes=[*casts, clamp, clamp.args[0], clamp.args[0].args[0], shifted[0],
+                nodes=[*casts, *clamp_nodes, rounded, rounded.args[0], shifted[0],
                        *offset_casts, *scale_casts, *y_casts])
 
 
@@ -195,8 +206,7 @@ def _deinterleaved(node) -> Optional[tuple]:
     if is_call(inner, aten.clone.default):
         nodes.append(inner)
         inner = inner.args[0]
-    if not (is_call(inner, aten.transpose.int) and {inner.args[1] % rank(inner), inner.args[2] % rank(inner)}
-            == {rank(inner) - 1, rank(inner) - 2}):
+    if not _swaps_last_two(inner):
         return None
     pairs = inner.args[0]
     if not (is_call(pairs, *VIEWS) and list(val(pairs).shape[-2:]) == [32, 2]):
@@ -415,6 +425,14 @@ class MlaPreprocessFusion(FusionPass):
             raise _Miss(f"{late[0].name} is computed after the prologue's outputs")
 
 
+def _swaps_last_two(node) -> bool:
+    """x.transpose(-1, -2) (``permute`` swapping the last two dims after inductor's decompositions)."""
+    n = rank(node)
+    if is_call(node, aten.transpose.int):
+        return {node.args[1] % n, node.args[2] % n} == {n - 1, n - 2}
+    return is_call(node, aten.permute.default) and list(node.args[1]) == [*range(n - 2), n - 1, n - 2]
+
+
 def _swaps_01(node) -> bool:
     """x.transpose(0, 1) of a 3-D x (``permute(x, [1, 0, 2])`` after inductor's decompositions)."""
     if is_call(node, aten.transpose.int):
@@ -471,10 +489,11 @@ def _build(b: GraphBuilder, a: dict, q_out: Node, new_cache: Node) -> dict:
     if a["permute"]:  # the op rotates halves: put each rope part's pairs in half layout first
         rows0 = _rope_rows(b, device, mla.QKV, 1, mla.Q_LORA + mla.KV_LORA)
         rows1 = _rope_rows(b, device, mla.NOPE + mla.ROPE, heads, mla.NOPE)
-        wdqkv, wuq = (b.call(aten.index_select.default, w, 0, rows) for w, rows in ((wdqkv, rows0), (wuq, rows1)))
+        # aten.index (not index_select): inductor lowers it after its decompositions have run
+        wdqkv, wuq = (b.call(aten.index.Tensor, w, [rows]) for w, rows in ((wdqkv, rows0), (wuq, rows1)))
         if quant0:
-            descale0, bias0 = (b.call(aten.index_select.default, t, 0, rows0) for t in (descale0, bias0))
-            descale1, bias1 = (b.call(aten.index_select.default, t, 0, rows1) for t in (descale1, bias1))
+            descale0, bias0 = (b.call(aten.index.Tensor, t, [rows0]) for t in (descale0, bias0))
+            descale1, bias1 = (b.call(aten.index.Tensor, t, [rows1]) for t in (descale1, bias1))
     gamma0 = a["norm0"]["gamma"] if a["norm0"] else a["norm1"]["gamma"]
     beta0 = a["norm0"]["beta"] if a["norm0"] and a["norm0"]["beta"] is not None else gamma0
     beta1 = a["norm1"]["beta"] if a["norm1"]["beta"] is not None else full([mla.Q_LORA], 0.0, dtype)
