@@ -147,11 +147,11 @@ def quantize_per_token(y: Tensor) -> tuple:
 def int8_matmul_dequant(q: Tensor, w: Tensor, descale: Tensor, bias: Optional[Tensor],
                         token_scale: Optional[Tensor]) -> Tensor:
     """int8 x int8^T with int32 accumulation, then (acc + bias) * descale [* token scale]."""
-    acc = torch._int_mm(q.contiguous(), w.t().contiguous())
+    acc = torch._int_mm(q, w.t())
     if bias is not None:
         acc = acc + bias.reshape(-1).to(torch.int32)
-    out = acc.double() * descale.double().reshape(-1)
-    return (out * token_scale.double() if token_scale is not None else out).float()
+    out = acc.float() * descale.float().reshape(-1)
+    return out * token_scale if token_scale is not None else out
 
 
 def nz_view(cache: Tensor, c0: int) -> Tensor:
