@@ -494,8 +494,10 @@ def _build(b: GraphBuilder, a: dict, q_out: Node, new_cache: Node) -> dict:
         if quant0:
             descale0, bias0 = (b.call(aten.index.Tensor, t, [rows0]) for t in (descale0, bias0))
             descale1, bias1 = (b.call(aten.index.Tensor, t, [rows1]) for t in (descale1, bias1))
-    gamma0 = a["norm0"]["gamma"] if a["norm0"] else a["norm1"]["gamma"]
-    beta0 = a["norm0"]["beta"] if a["norm0"] and a["norm0"]["beta"] is not None else gamma0
+    hidden = val(x).shape[-1]
+    # the unquantized path skips stage 1, whose gamma0/beta0 the op then never reads
+    gamma0 = a["norm0"]["gamma"] if a["norm0"] else full([hidden], 1.0, dtype)
+    beta0 = a["norm0"]["beta"] if a["norm0"] and a["norm0"]["beta"] is not None else full([hidden], 0.0, dtype)
     beta1 = a["norm1"]["beta"] if a["norm1"]["beta"] is not None else full([mla.Q_LORA], 0.0, dtype)
     slots = a["slots"]
     if a["wrap"]:
