@@ -274,6 +274,8 @@ class MlaPreprocessFusion(FusionPass):
         nodes += [q3, *q_lin["nodes"], *norm1["nodes"], *q_c[3], *qkv_lin["nodes"]] + (norm0["nodes"] if norm0 else [])
         kv_c, k_pe, kv_nodes = self._kv_pieces(qkv)
         ctkv = self._consumer(kv_c, match_rms_norm, "stage 6 (RMSNorm of the kv latent)")
+        if ctkv["beta"] is not None:
+            raise _Miss("the kv-latent RMSNorm adds a beta; the op's stage 6 has only gamma2")
         k_site = self._k_rope(k_pe, q_site, bool(deinterleave))
         cache_write = self._cache_write(ctkv["out"], k_site["out"])
         absorbed = self._absorption(q3, q_rope_add)
@@ -400,6 +402,15 @@ class MlaPreprocessFusion(FusionPass):
             raise _Miss(f"wdqkv dtype {val(qkv_lin['w']).dtype} does not fit the {x.dtype} input")
         if qkv_lin["quant"] and val(q_lin["w"]).dtype != torch.int8:
             raise _Miss("wuq is not int8 on the quantized path")
+        for name, lin in (("wdqkv", qkv_lin), ("wuq", q_lin)):
+            quant = lin["quant"]
+            if quant is None:
+                continue
+            out_features = val(lin["w"]).shape[0]
+            if val(quant["scale"]).numel() != 1 or val(quant["offset"]).numel() != 1:
+                raise _Miss(f"the activation quantization before {name} is not per-tensor (scale/offset numel 1)")
+            if list(val(quant["descale"]).shape) != [out_features] or val(quant["bias"]).numel() != out_features:
+                raise _Miss(f"{name}'s dequant scale/bias are not per output channel ([{out_features}])")
         cache = val(cache_write["cache"])
         block_size = static_int(cache.shape[1])
         if cache.dtype != x.dtype or block_size is None or not (1 <= block_size <= 128 or block_size == 256):
