@@ -37,7 +37,7 @@ from lowering.ops import mla_preprocess as mla
 
 from ..fusion import FusionPass, GraphBuilder, PassContext, Rewrite, register_fusion
 from ..soc import A2_A3, GENERIC
-from .graph_utils import VIEWS, aten, is_call, rank, static_int, users_outside, val
+from .graph_utils import VIEWS, aten, is_call, rank, shape_eq, static_int, users_outside, val
 from .rope import RopeSite, _last_dim_piece, match_rope_site
 
 CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
@@ -350,8 +350,15 @@ class MlaPreprocessFusion(FusionPass):
                     cos, sin = _table_root(site.cos), _table_root(site.sin)
                     if cos is not _table_root(q_site.cos) or sin is not _table_root(q_site.sin):
                         raise _Miss("q and k RoPE use different cos/sin tables")
-                    if rank(cos) != 2 or static_int(val(cos).shape[-1]) != mla.ROPE:
-                        raise _Miss(f"cos shape {list(val(cos).shape)} is not [T, 64]")
+                    tokens = val(k_pe).shape[0]
+                    for table, site_, expected in ((cos, None, [tokens, mla.ROPE]), (sin, None, [tokens, mla.ROPE]),
+                                                   (q_site.cos, "q", [tokens, 1, mla.ROPE]),
+                                                   (q_site.sin, "q", [tokens, 1, mla.ROPE]),
+                                                   (site.cos, "k", [tokens, mla.ROPE]),
+                                                   (site.sin, "k", [tokens, mla.ROPE])):
+                        if not shape_eq(list(val(table).shape), expected):
+                            raise _Miss(f"{site_ or 'the'} RoPE table {table.name} has shape {list(val(table).shape)}, "
+                                        f"not {expected}: cos/sin must be one [T, 64] row per token")
                     return dict(out=add, nodes=[add, *site.nodes, *extra], cos=cos, sin=sin)
         raise _Miss("stage 7 (RoPE of k_rope, in the same layout as q's) not found")
 
