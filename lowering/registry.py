@@ -4,6 +4,8 @@
   compile aten (inductor) so that a fused op costs nothing where no NPU kernel exists.
   A mutating op's decomposition is functional: it returns ``(outputs, new values of
   the mutated arguments)``.
+- ``refuse_autograd(name, why)``: for a mutating op without a derivative, an error
+  when an input requires grad, instead of autograd silently not recording the op.
 - ``@npu_kernel(op)``: the op's torch_npu kernel, registered for the "npu" device
   only once torch_npu is loaded (the device type does not exist before).
 
@@ -16,8 +18,10 @@ import pkgutil
 from typing import Callable
 
 import torch
+import torch.utils._pytree as pytree
 
 DECOMPOSITIONS: dict = {}
+_autograd_guards = torch.library.Library("npu_fuse", "FRAGMENT")
 _npu_kernels: list = []
 _npu_kernels_registered = False
 
@@ -28,6 +32,22 @@ def decomposition(op: torch._ops.OpOverload) -> Callable:
         return fn
 
     return register
+
+
+def refuse_autograd(name: str, why: str) -> None:
+    """Register an Autograd kernel for ``npu_fuse::name`` that raises when grad mode is on and
+    an input requires grad (torch.library cannot attach derivatives to mutating ops, and
+    without this the call would be invisible to autograd)."""
+    op = getattr(torch.ops.npu_fuse, name).default
+
+    def guard(*args, **kwargs):
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           for t in pytree.tree_leaves((args, kwargs))):
+            raise RuntimeError(f"npu_fuse.{name}: {why}")
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args, **kwargs)
+
+    _autograd_guards.impl(name, guard, "Autograd")
 
 
 def npu_kernel(op) -> Callable:

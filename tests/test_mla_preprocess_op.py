@@ -188,3 +188,12 @@ def test_functional_decomposition_matches_the_in_place_op(cache_mode, skipped):
     (f0, f1), (f_kv, f_kv_rope) = M.mla_preprocess_functional(**copy, **kw, epsilon=1e-6)
     assert torch.equal(f0, out0) and torch.equal(f1, out1)
     assert torch.equal(f_kv, kv) and torch.equal(f_kv_rope, kv_rope)
+
+
+def test_refuses_inputs_that_require_grad():
+    a, kw = make_inputs()
+    a["wuk"].requires_grad_()
+    with pytest.raises(RuntimeError, match="inference op with no autograd"):
+        run_op(a, kw)
+    with torch.no_grad():
+        run_op(a, kw)

@@ -270,3 +270,13 @@ def test_intermediate_used_outside_blocks_the_in_place_op():
     _, reports = compile_fused(fn, q, cos, sin)
     assert "inplace_partial_rotary_mul" not in fused_ops(reports)
     assert any("used outside" in r for r in near_miss_reasons(reports))
+
+
+def test_raw_op_refuses_tensors_that_require_grad():
+    """The raw op is invisible to autograd; silently wrong gradients are worse than an error."""
+    x, r1, r2 = make()
+    y = x.clone().requires_grad_() * 1.0
+    with pytest.raises(RuntimeError, match="an input requires grad; call lowering.ops"):
+        op(y, r1, r2, partial_slice=[4, 12])
+    with torch.no_grad():
+        op(y, r1, r2, partial_slice=[4, 12])  # fine without autograd

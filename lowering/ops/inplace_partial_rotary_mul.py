@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..registry import decomposition
+from ..registry import decomposition, refuse_autograd
 from ..rope_math import compute_dtype, rotate
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -111,6 +111,9 @@ def _functional(x, r1, r2, rotary_mode="interleave", partial_slice=(0, 0)):
 
 
 decomposition(torch.ops.npu_fuse.inplace_partial_rotary_mul.default)(_functional)
+refuse_autograd("inplace_partial_rotary_mul", "an input requires grad; call lowering.ops.inplace_partial_rotary_mul."
+                "inplace_partial_rotary_mul, whose autograd.Function records the backward")
+refuse_autograd("inplace_partial_rotary_mul_backward", "an input requires grad (no double backward)")
 
 
 class _InplacePartialRotaryMul(torch.autograd.Function):

@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..registry import decomposition
+from ..registry import decomposition, refuse_autograd
 from ..rope_math import rotate
 
 Q_LORA, KV_LORA, ROPE, NOPE = 1536, 512, 64, 128
@@ -311,3 +311,5 @@ def mla_preprocess(input, gamma0, beta0, wdqkv, descale0, gamma1, beta1, wuq, de
 
 
 decomposition(torch.ops.npu_fuse.mla_preprocess.default)(mla_preprocess_functional)
+refuse_autograd("mla_preprocess", "an inference op with no autograd; an input requires grad (call it under "
+                "torch.no_grad())")
