@@ -293,7 +293,9 @@ class RopeSite:
 
     @property
     def nodes(self) -> list:
-        return list(dict.fromkeys([*self.terms, *self.rotation.nodes]))
+        # the rotated tensor is x itself, or a second identical slice of x's source (then ours)
+        own_source = [self.rotation.source] if self.rotation.source is not self.x else []
+        return list(dict.fromkeys([*self.terms, *self.rotation.nodes, *own_source]))
 
 
 def match_rope_site(add: Node) -> Union[RopeSite, str, None]:
@@ -345,7 +347,7 @@ class RotaryMulFusion(FusionPass):
     def _match_add(self, add: Node) -> Union[Rewrite, NearMiss, None]:
         site = match_rope_site(add)
         if isinstance(site, RopeSite):
-            return self._rewrite(add, site.rotation, x=site.x, cos=site.cos, sin=site.sin, extra=site.terms)
+            return self._rewrite(add, site.rotation, x=site.x, cos=site.cos, sin=site.sin, extra=site.nodes)
         if isinstance(site, str):
             return self.near_miss(add, site)
         if add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
