@@ -194,10 +194,9 @@ class PassManager:
         if fake_mode is None:
             report.errors.append("graph has no fake-tensor metadata; nothing fused")
         else:
-            ctx = PassContext(graph, resolve_soc(), report.kind, fake_mode)
-            changed = False
-            for fusion in self.passes:
-                changed |= self._run_one(fusion, ctx, report)
+            soc, changed = resolve_soc(), False
+            for fusion in self.passes:  # a fresh context each: the previous pass may have edited the graph
+                changed |= self._run_one(fusion, PassContext(graph, soc, report.kind, fake_mode), report)
             if changed:
                 graph.lint()
                 gm.recompile()

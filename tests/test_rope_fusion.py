@@ -397,3 +397,33 @@ def test_rollback_restores_the_exact_graph(exploding_pass):
         warnings.simplefilter("ignore")
         nf.run_fusion_passes(gm)
     assert str(gm.graph) == before
+
+
+def test_each_pass_sees_graph_positions_after_the_previous_passes_edits(monkeypatch):
+    """PassContext.position caches node order; a pass that rewrites must not leave the next
+    pass a stale order (the MLA and softmax passes both walk positions)."""
+    seen = []
+
+    class Positions(fusion.FusionPass):
+        name = family = "positions"
+
+        def find(self, ctx):
+            seen.append({n.name: ctx.position(n) for n in ctx.graph.nodes})
+            return []
+
+    monkeypatch.setattr(fusion, "_registry", {"positions_before": Positions, "rope": _rope_pass(),
+                                              "positions_after": type("After", (Positions,), {"order": 200})})
+    monkeypatch.setattr(fusion, "_discovered", True)
+
+    def fn(q, cos, sin):
+        return q * cos + rotate_half_slice(q) * sin
+
+    compile_fused(fn, torch.randn(2, 3, 4, 16), *tables((1, 3, 1, 16)), strict=True)
+    before, after = seen
+    assert any(name.startswith("rotary_mul") for name in after)  # the node the RoPE pass inserted
+    assert not any(name.startswith("rotary_mul") for name in before)
+
+
+def _rope_pass():
+    from npu_fuse_backend.passes.rope import RotaryMulFusion
+    return RotaryMulFusion

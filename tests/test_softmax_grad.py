@@ -256,3 +256,4 @@ def test_bf16_chains_are_no_less_accurate_than_eager(chain):
     out, reports = compile_fused(fn, g, p, x2)
     assert fused_ops(reports) == ["softmax_grad_ext"]
     assert_no_worse_than_eager(out, fn(g, p, x2), fn(g.double(), p.double(), x2.double()))
+
