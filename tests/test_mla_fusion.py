@@ -97,17 +97,23 @@ def test_hidden_size_outside_the_op_range_is_a_near_miss():
     assert any("hidden size 1024 is outside 2048..8192" in r for r in near_miss_reasons(reports))
 
 
+def projections_and_rope(m, x, cos, sin):
+    """Stages 2-7 of m's prologue, written out for the variants below."""
+    c = m.cfg
+    q_c, kv = m.fused_qkv_a_proj(x).split([c.q_lora, c.kv_lora + c.rope], dim=-1)
+    q = m.q_b_proj(m.q_a_layernorm(q_c)).view(-1, c.heads, c.nope + c.rope)
+    q_nope, q_pe = q.split([c.nope, c.rope], dim=-1)
+    kv_c, k_pe = kv.split([c.kv_lora, c.rope], dim=-1)
+    half = lambda t: torch.cat([-t[..., 32:], t[..., :32]], -1)  # noqa: E731
+    q_pe = q_pe * cos.unsqueeze(1) + half(q_pe) * sin.unsqueeze(1)
+    return q_nope, q_pe, kv_c, k_pe * cos + half(k_pe) * sin
+
+
 class TrainingStyleMLA(DeepSeekMLA):
     """Hugging Face's DeepSeek attention shape: no absorption and no paged cache write."""
 
     def forward(self, x, cos, sin, slot_mapping, kv_cache, context_slots):
-        c = self.cfg
-        q_c, kv = self.fused_qkv_a_proj(x).split([c.q_lora, c.kv_lora + c.rope], dim=-1)
-        q = self.q_b_proj(self.q_a_layernorm(q_c)).view(-1, c.heads, c.nope + c.rope)
-        q_nope, q_pe = q.split([c.nope, c.rope], dim=-1)
-        kv_c, k_pe = kv.split([c.kv_lora, c.rope], dim=-1)
-        q_pe = q_pe * cos.unsqueeze(1) + torch.cat([-q_pe[..., 32:], q_pe[..., :32]], -1) * sin.unsqueeze(1)
-        k_pe = k_pe * cos + torch.cat([-k_pe[..., 32:], k_pe[..., :32]], -1) * sin
+        q_nope, q_pe, kv_c, k_pe = projections_and_rope(self, x, cos, sin)
         return torch.cat([q_nope, q_pe], -1).sum() + self.kv_a_layernorm(kv_c).sum() + k_pe.sum()
 
 
@@ -128,16 +134,9 @@ def test_other_cache_write_forms(how):
 
     class Variant(DeepSeekMLA):
         def forward(self, x, cos, sin, slot_mapping, kv_cache, context_slots):
-            c = self.cfg
-            q_c, kv = self.fused_qkv_a_proj(x).split([c.q_lora, c.kv_lora + c.rope], dim=-1)
-            q = self.q_b_proj(self.q_a_layernorm(q_c)).view(-1, c.heads, c.nope + c.rope)
-            q_nope, q_pe = q.split([c.nope, c.rope], dim=-1)
-            kv_c, k_pe = kv.split([c.kv_lora, c.rope], dim=-1)
-            kv_c = self.kv_a_layernorm(kv_c)
-            q_pe = q_pe * cos.unsqueeze(1) + torch.cat([-q_pe[..., 32:], q_pe[..., :32]], -1) * sin.unsqueeze(1)
-            k_pe = k_pe * cos + torch.cat([-k_pe[..., 32:], k_pe[..., :32]], -1) * sin
+            q_nope, q_pe, kv_c, k_pe = projections_and_rope(self, x, cos, sin)
             q_nope = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
-            rows = torch.cat([kv_c, k_pe], dim=-1)
+            rows = torch.cat([self.kv_a_layernorm(kv_c), k_pe], dim=-1)
             flat = kv_cache.view(-1, 576)
             if how == "index_copy_":
                 flat.index_copy_(0, slot_mapping, rows)
