@@ -30,6 +30,8 @@ from typing import Optional, Union
 import torch
 from torch.fx import Node
 
+from lowering.ops.inplace_partial_rotary_mul import FLOAT_DTYPES, MAX_HEAD_DIM
+
 from ..fusion import FusionPass, GraphBuilder, PassContext, Rewrite, register_fusion
 from ..report import NearMiss
 from ..soc import A2_A3, ASCEND950, GENERIC
@@ -39,8 +41,6 @@ from .graph_utils import (
 )
 from .rope import RopeSite, _last_dim_piece, _to_rank4, match_rope_site
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 1024
 LAYOUTS = {name: ("BS1D", "B11D") for name in A2_A3}
 LAYOUTS[ASCEND950] = ("BSND", "B1ND", "B11D", "111D")
 

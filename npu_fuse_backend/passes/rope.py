@@ -34,6 +34,8 @@ from typing import Optional, Union
 import torch
 from torch.fx import Node
 
+from lowering.ops.rotary_mul import FLOAT_DTYPES
+
 from ..fusion import FusionPass, GraphBuilder, PassContext, Rewrite, register_fusion
 from ..report import NearMiss
 from .graph_utils import (
@@ -41,7 +43,6 @@ from .graph_utils import (
     skip_noop_slices, slice_args, slice_scatter_args, static_int, users_outside, val,
 )
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclasses.dataclass

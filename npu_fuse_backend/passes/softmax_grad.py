@@ -23,12 +23,13 @@ from typing import Optional, Union
 import torch
 from torch.fx import Node
 
+from lowering.ops.softmax_grad_ext import FLOAT_DTYPES
+
 from ..fusion import FusionPass, GraphBuilder, PassContext, Rewrite, register_fusion
 from ..report import NearMiss
 from ..soc import A2_A3
 from .graph_utils import aten, describe, is_call, norm_dim, static_int, users_outside, val
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 Scalar = (int, float)
 
 
