@@ -192,20 +192,7 @@ def match_rotation(node) -> Union[Rotation, str, None]:
                                 f"head dim {size} is odd or not split in the middle")
                     return Rotation(src, "half", [node, first, *hi[4], *lo[4]])
     if is_call(node, *VIEWS):
-        stacked = _stacked_pair(node.args[0])
-        if stacked is None:
-            return None
-        first, second, stack_nodes = stacked
-        ss, vs = val(node.args[0]).shape, val(node).shape
-        if len(vs) != len(ss) - 1 or not shape_eq(vs[:-1], ss[:-2]):
-            return None
-        neg_in = _negated(first)
-        if neg_in is None:
-            return None
-        odd, even = _pair_lane(neg_in), _pair_lane(second)
-        if odd and even and odd[0] is even[0] and odd[1] == 1 and even[1] == 0:
-            nodes = [node, first, *stack_nodes, *odd[2], *even[2]]
-            return Rotation(odd[0], "interleave", list(dict.fromkeys(nodes)))
+        return _interleaved_pairs(node, transposed=False)
     return None
 
 
@@ -268,17 +255,28 @@ def match_rotation_transpose(node) -> Optional[Rotation]:
                     return Rotation(even[0], "interleave", list(dict.fromkeys(nodes)))
         return None
     if is_call(node, *VIEWS):  # backward of unbind + stack
-        stacked = _stacked_pair(node.args[0])
-        if stacked is None:
-            return None
-        first, second, stack_nodes = stacked
-        neg_in = _negated(second)
-        if neg_in is None:
-            return None
-        odd, even = _pair_lane(first), _pair_lane(neg_in)
-        if odd and even and odd[0] is even[0] and odd[1] == 1 and even[1] == 0:
-            nodes = [node, second, *stack_nodes, *odd[2], *even[2]]
-            return Rotation(odd[0], "interleave", list(dict.fromkeys(nodes)))
+        return _interleaved_pairs(node, transposed=True)
+    return None
+
+
+def _interleaved_pairs(view: Node, transposed: bool) -> Optional[Rotation]:
+    """view = flatten(stack([a, b], -1)) with (a, b) = (-odd, even) lanes of a source: R,
+    or (odd, -even): R^T."""
+    stacked = _stacked_pair(view.args[0])
+    if stacked is None:
+        return None
+    first, second, stack_nodes = stacked
+    ss, vs = val(view.args[0]).shape, val(view).shape
+    if len(vs) != len(ss) - 1 or not shape_eq(vs[:-1], ss[:-2]):
+        return None
+    negated = second if transposed else first
+    neg_in = _negated(negated)
+    if neg_in is None:
+        return None
+    odd, even = (_pair_lane(first), _pair_lane(neg_in)) if transposed else (_pair_lane(neg_in), _pair_lane(second))
+    if odd and even and odd[0] is even[0] and odd[1] == 1 and even[1] == 0:
+        nodes = [view, negated, *stack_nodes, *odd[2], *even[2]]
+        return Rotation(odd[0], "interleave", list(dict.fromkeys(nodes)))
     return None
 
 
