@@ -5,6 +5,7 @@ functionalized aten graph, before torchair's own FX passes and before the FX->GE
 conversion, where our converters (``converters/``) turn each fused op into its GE op.
 """
 
+import copy
 import importlib
 import pkgutil
 import sys
@@ -48,7 +49,8 @@ def compile_with_torchair(gm: GraphModule, example_inputs, graph_pass: Callable[
     load_converters()
     if "torch_npu" in sys.modules:
         register_npu_kernels()
-    cfg = compiler_config or CompilerConfig()
+    # a copy: installing our pre-pass must not change (and stack up on) the caller's config
+    cfg = copy.deepcopy(compiler_config) if compiler_config is not None else CompilerConfig()
     user_pre_pass = cfg.post_grad_custom_pre_pass.value
 
     def pre_pass(aten_gm: GraphModule, inputs, config):
