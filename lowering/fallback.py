@@ -14,7 +14,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch.fx import GraphModule, Node
 
-from .registry import DECOMPOSITIONS, load_ops
+from .registry import DECOMPOSITIONS
 
 GraphPass = Callable[[GraphModule, str], None]
 
@@ -26,7 +26,6 @@ def _decompose_fused_ops_pass():
 
     global _decompose_pass
     if _decompose_pass is None:
-        load_ops()
         patterns = PatternMatcherPass(pass_name="npu_fuse_decompose_fused_ops")
         for op, decomp in DECOMPOSITIONS.items():
             if not _mutated_args(op):  # mutating ops only appear inside auto_functionalized_v2

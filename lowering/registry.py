@@ -70,7 +70,6 @@ def register_npu_kernels() -> None:
     global _npu_kernels_registered
     if _npu_kernels_registered:
         return
-    load_ops()
     for op, fn in _npu_kernels:
         op.register_kernel("npu", fn)
     _npu_kernels_registered = True
