@@ -14,7 +14,7 @@ from common import table, write_results  # noqa: E402
 
 from npu_fuse_backend.timing import interleaved_ms  # noqa: E402
 
-from lowering.ops.inplace_partial_rotary_mul import inplace_partial_rotary_mul  # noqa: E402
+from npu_fuse.ops import inplace_partial_rotary_mul  # noqa: E402
 
 
 def rotate_every_two(x):

@@ -16,7 +16,7 @@ from common import table, write_results  # noqa: E402
 
 from npu_fuse_backend.timing import interleaved_ms  # noqa: E402
 
-import lowering  # noqa: E402,F401
+import npu_fuse  # noqa: E402,F401  (defines the npu_fuse:: ops)
 
 
 def unfused(g, p, s):

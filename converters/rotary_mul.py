@@ -15,7 +15,7 @@ from torchair._ge_concrete_graph.fx2ge_converter import declare_supported, regis
 from torchair._ge_concrete_graph.supported_declaration import BF16, F16, F32, Support
 from torchair.ge._ge_graph import Tensor, TensorSpec
 
-from npu_fuse_backend.soc import ASCEND950, resolve_soc
+from ..soc import ASCEND950, resolve_soc
 
 MODES = {"half": 0, "interleave": 1}
 

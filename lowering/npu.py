@@ -35,7 +35,7 @@ def npu_usable(example_inputs) -> bool:
 
 def load_converters() -> None:
     """Register every GE converter in ``converters/`` with torchair (idempotent)."""
-    import converters
+    from .. import converters
 
     for info in pkgutil.iter_modules(converters.__path__):
         importlib.import_module(f"{converters.__name__}.{info.name}")

@@ -10,7 +10,8 @@
   only once torch_npu is loaded (the device type does not exist before).
 
 Every module in ``lowering/ops`` is imported by :func:`load_ops`, so adding an op
-touches nothing here.
+touches nothing here; the names in each module's ``__all__`` are its public entry
+points, re-exported as ``npu_fuse.ops``.
 """
 
 import importlib
@@ -58,11 +59,19 @@ def npu_kernel(op) -> Callable:
     return register
 
 
-def load_ops() -> None:
+def _op_modules() -> list:
     from . import ops
 
-    for info in pkgutil.iter_modules(ops.__path__):
-        importlib.import_module(f"{ops.__name__}.{info.name}")
+    return [importlib.import_module(f"{ops.__name__}.{info.name}") for info in pkgutil.iter_modules(ops.__path__)]
+
+
+def load_ops() -> None:
+    _op_modules()
+
+
+def public_entry_points() -> dict:
+    """{name: callable} of every op module's ``__all__``."""
+    return {name: getattr(module, name) for module in _op_modules() for name in getattr(module, "__all__", ())}
 
 
 def register_npu_kernels() -> None:

@@ -6,14 +6,15 @@ prologue into Ascend NPU ops, with a fallback lowering everywhere else.
 ``get_reports()`` says, per compiled graph, what fused and why near-misses did not.
 """
 
-import lowering  # noqa: F401  (defines the npu_fuse:: ops)
+__version__ = "0.2.0"
 
+from . import lowering  # noqa: F401  (defines the npu_fuse:: ops)
 from . import config
 from .backend import npu_fuse_backend, run_fusion_passes
 from .fusion import FusionPass, Rewrite, register_fusion
 from .report import GraphReport, Match, NearMiss, clear_reports, get_reports
 
 __all__ = [
-    "FusionPass", "GraphReport", "Match", "NearMiss", "Rewrite", "clear_reports", "config",
+    "__version__", "FusionPass", "GraphReport", "Match", "NearMiss", "Rewrite", "clear_reports", "config",
     "get_reports", "npu_fuse_backend", "register_fusion", "run_fusion_passes",
 ]

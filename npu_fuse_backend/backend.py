@@ -4,7 +4,7 @@ import logging
 
 from torch.fx import GraphModule
 
-from lowering import fallback, npu
+from .lowering import fallback, npu
 
 from . import config
 from .fusion import PassManager

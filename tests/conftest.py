@@ -51,3 +51,13 @@ def assert_no_worse_than_eager(got, eager, exact):
     err_eager = (eager.double() - exact.double()).abs().max().item()
     atol = TOL[eager.dtype][0] if eager.dtype in TOL else 1e-6
     assert err_got <= 1.5 * err_eager + atol, f"fused error {err_got:.3g} vs eager error {err_eager:.3g}"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_generic_top_level_imports():
+    """The package's folders lowering/ and converters/ are importable only inside
+    npu_fuse_backend; a test that imported them by their generic top-level names would
+    load a second copy of every op (``python -m pytest`` puts the repository on sys.path)."""
+    yield
+    leaked = sorted(name for name in sys.modules if name.split(".")[0] in ("lowering", "converters"))
+    assert not leaked, f"imported by a generic top-level name: {leaked}"

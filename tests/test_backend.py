@@ -9,7 +9,7 @@ import torch
 
 import npu_fuse_backend as nf
 from conftest import assert_close, compile_fused, fused_ops
-from lowering.fallback import decompose_fused_ops
+from npu_fuse_backend.lowering.fallback import decompose_fused_ops
 
 
 def test_backend_is_found_by_name_through_the_entry_point():
@@ -86,7 +86,7 @@ def test_npu_lowering_hands_the_fused_graph_to_torchair():
     load_torchair_offline()
     from torchair.configs.compiler_config import CompilerConfig
 
-    from lowering.npu import compile_with_torchair
+    from npu_fuse_backend.lowering.npu import compile_with_torchair
 
     cfg = CompilerConfig()
     cfg.debug.run_eagerly = True

@@ -92,7 +92,7 @@ def test_partial_interleave_rope_becomes_inplace_partial_rotary_mul():
 
 
 def test_in_place_op_training_converts_forward_and_backward():
-    from lowering.ops.inplace_partial_rotary_mul import inplace_partial_rotary_mul
+    from npu_fuse.ops import inplace_partial_rotary_mul
 
     def train(x, cos, sin):
         y = x * 1.0

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.library import opcheck
 
-from lowering.ops import mla_preprocess as M
+from npu_fuse_backend.lowering.ops import mla_preprocess as M
 from mla_inputs import make_inputs
 
 MODES = [(cache, quant, quantized) for cache in range(4) for quant, quantized in ((0, True), (1, True), (0, False))]

@@ -6,7 +6,7 @@ from torch.library import opcheck
 
 import npu_fuse_backend as nf
 from conftest import assert_close, assert_no_worse_than_eager, compile_fused, fused_ops, near_miss_reasons
-from lowering.ops.inplace_partial_rotary_mul import inplace_partial_rotary_mul
+from npu_fuse.ops import inplace_partial_rotary_mul
 
 op = torch.ops.npu_fuse.inplace_partial_rotary_mul
 op_backward = torch.ops.npu_fuse.inplace_partial_rotary_mul_backward
@@ -276,7 +276,7 @@ def test_raw_op_refuses_tensors_that_require_grad():
     """The raw op is invisible to autograd; silently wrong gradients are worse than an error."""
     x, r1, r2 = make()
     y = x.clone().requires_grad_() * 1.0
-    with pytest.raises(RuntimeError, match="an input requires grad; call lowering.ops"):
+    with pytest.raises(RuntimeError, match="an input requires grad; call npu_fuse.ops"):
         op(y, r1, r2, partial_slice=[4, 12])
     with torch.no_grad():
         op(y, r1, r2, partial_slice=[4, 12])  # fine without autograd

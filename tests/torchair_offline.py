@@ -54,7 +54,7 @@ def ge_graphs_of(fn, *args, dynamic=False, fusion=True):
     torchair = load_torchair_offline()
     from torchair.configs.compiler_config import CompilerConfig
 
-    from lowering.npu import load_converters
+    from npu_fuse_backend.lowering.npu import load_converters
     from npu_fuse_backend import run_fusion_passes
 
     load_converters()

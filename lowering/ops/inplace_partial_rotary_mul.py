@@ -18,6 +18,8 @@ from torch import Tensor
 from ..registry import decomposition, refuse_autograd
 from ..rope_math import compute_dtype, rotate
 
+__all__ = ["inplace_partial_rotary_mul"]  # public entry points (npu_fuse.ops)
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 1024
 SCHEMA_TAIL = "Tensor r1, Tensor r2, *, str rotary_mode='interleave', int[2] partial_slice=[0, 0]) -> ()"
@@ -111,8 +113,8 @@ def _functional(x, r1, r2, rotary_mode="interleave", partial_slice=(0, 0)):
 
 
 decomposition(torch.ops.npu_fuse.inplace_partial_rotary_mul.default)(_functional)
-refuse_autograd("inplace_partial_rotary_mul", "an input requires grad; call lowering.ops.inplace_partial_rotary_mul."
-                "inplace_partial_rotary_mul, whose autograd.Function records the backward")
+refuse_autograd("inplace_partial_rotary_mul", "an input requires grad; call npu_fuse.ops.inplace_partial_rotary_mul, "
+                "whose autograd.Function records the backward")
 refuse_autograd("inplace_partial_rotary_mul_backward", "an input requires grad (no double backward)")
 
 

@@ -37,6 +37,8 @@ from torch import Tensor
 from ..registry import decomposition, refuse_autograd
 from ..rope_math import rotate
 
+__all__ = ["mla_preprocess"]  # public entry points (npu_fuse.ops)
+
 Q_LORA, KV_LORA, ROPE, NOPE = 1536, 512, 64, 128
 QKV = Q_LORA + KV_LORA + ROPE  # 2112
 KVCACHE, KROPE_CTKV, INT8_NZCACHE, NZCACHE = range(4)

@@ -12,6 +12,8 @@ from torch import Tensor
 from ..registry import decomposition, npu_kernel
 from ..rope_math import ROTARY_MODES, compute_dtype, rotate
 
+__all__ = ["rotary_mul", "rotary_mul_backward"]  # public entry points (npu_fuse.ops)
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

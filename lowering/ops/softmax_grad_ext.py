@@ -10,6 +10,8 @@ from torch import Tensor
 from ..registry import decomposition
 from ..rope_math import compute_dtype
 
+__all__ = ["softmax_grad_ext"]  # public entry points (npu_fuse.ops)
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
-from lowering.ops import mla_preprocess as mla
+from ..lowering.ops import mla_preprocess as mla
 
 from ..fusion import FusionPass, GraphBuilder, PassContext, Rewrite, register_fusion
 from ..soc import A2_A3, GENERIC

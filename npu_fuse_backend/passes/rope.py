@@ -34,7 +34,7 @@ from typing import Optional, Union
 import torch
 from torch.fx import Node
 
-from lowering.ops.rotary_mul import FLOAT_DTYPES
+from ..lowering.ops.rotary_mul import FLOAT_DTYPES
 
 from ..fusion import FusionPass, GraphBuilder, PassContext, Rewrite, register_fusion
 from ..report import NearMiss

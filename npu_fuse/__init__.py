@@ -1,0 +1,28 @@
+"""npu_fuse: a torch.compile backend that fuses RoPE, softmax backward and the MLA
+prologue into Ascend NPU ops, with a fallback lowering everywhere else.
+
+    torch.compile(model, backend="npu_fuse")      # no import needed: an entry point
+
+The public API, in one place:
+
+- ``npu_fuse.ops.<op>``: the fused ops' Python entry points (``rotary_mul``,
+  ``inplace_partial_rotary_mul``, ``softmax_grad_ext``, ``mla_preprocess``, ...);
+- ``npu_fuse.config``: the backend's knobs (``config.patch(...)``);
+- ``npu_fuse.get_reports()`` / ``clear_reports()``: what each compiled graph fused, and why not;
+- ``npu_fuse.register_fusion`` / ``FusionPass`` / ``Rewrite``: adding a fusion pass.
+
+The implementation lives in ``npu_fuse_backend`` (the package this one re-exports);
+importing ``npu_fuse`` also makes ``TORCH_LOGS="+npu_fuse"`` a valid log name.
+"""
+
+from npu_fuse_backend import (
+    FusionPass, GraphReport, Match, NearMiss, Rewrite, __version__, clear_reports, config, get_reports,
+    npu_fuse_backend, register_fusion, run_fusion_passes,
+)
+
+from . import ops
+
+__all__ = [
+    "FusionPass", "GraphReport", "Match", "NearMiss", "Rewrite", "__version__", "clear_reports", "config",
+    "get_reports", "npu_fuse_backend", "ops", "register_fusion", "run_fusion_passes",
+]

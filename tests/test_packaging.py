@@ -1,0 +1,83 @@
+"""What ``pip install`` puts on a user's machine: one namespace, nothing generic.
+
+The repository keeps the design's top-level folders ``lowering/`` and ``converters/``;
+setup.cfg maps them into ``npu_fuse_backend``. These tests build the real wheel,
+install it (non-editable) into a fresh directory and use it from a user's folder that
+has its own ``lowering.py`` and ``converters/``.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+NOT_SOURCES = shutil.ignore_patterns(".git", ".venv", ".cache", "build", "dist", "*.egg-info", "__pycache__",
+                                     ".pytest_cache", "results")
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """The project's wheel, built from a clean copy of the sources and installed with --target."""
+    tmp = tmp_path_factory.mktemp("install")
+    sources, wheels, target = tmp / "src", tmp / "wheels", tmp / "site"
+    shutil.copytree(REPO, sources, ignore=NOT_SOURCES)
+    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(sources)],
+                   check=True, capture_output=True)
+    (wheel,) = wheels.glob("npu_fuse-*.whl")
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)], check=True,
+                   capture_output=True)
+    return target
+
+
+def top_level_names(names) -> set:
+    return {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
+
+
+def test_wheel_has_only_the_projects_own_top_level_names(installed):
+    (wheel,) = (installed.parent / "wheels").glob("npu_fuse-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert top_level_names(names) == {"npu_fuse", "npu_fuse_backend"}
+    assert "npu_fuse_backend/lowering/ops/rotary_mul.py" in names
+    assert "npu_fuse_backend/converters/rotary_mul.py" in names
+    importable = {p.name for p in installed.iterdir() if p.suffix != ".dist-info" and p.name != "bin"}
+    assert importable == {"npu_fuse", "npu_fuse_backend"}
+
+
+def test_a_users_lowering_and_converters_cannot_shadow_ours(installed, tmp_path):
+    user = tmp_path / "user_project"
+    (user / "converters").mkdir(parents=True)
+    (user / "lowering.py").write_text("WHO = 'user'\n")
+    (user / "converters" / "__init__.py").write_text("raise ImportError('the user converters were imported')\n")
+    (user / "train.py").write_text(textwrap.dedent(f"""
+        import sys
+        import lowering                      # the user's own module, imported first
+        import torch
+
+        def rope(q, cos, sin):
+            return q * cos + torch.cat((-q[..., 8:], q[..., :8]), -1) * sin
+
+        args = torch.randn(1, 4, 2, 16), torch.randn(1, 4, 1, 16), torch.randn(1, 4, 1, 16)
+        out = torch.compile(rope, backend="npu_fuse")(*args)   # found by its entry point
+        torch.testing.assert_close(out, rope(*args))
+
+        import npu_fuse, npu_fuse_backend.converters
+        site = {str(installed)!r}
+        assert npu_fuse_backend.converters.__file__.startswith(site), npu_fuse_backend.converters.__file__
+        assert npu_fuse.__file__.startswith(site), npu_fuse.__file__
+        assert [m.op for r in npu_fuse.get_reports() for m in r.matches] == ["rotary_mul"]
+        assert lowering.WHO == "user" and sys.modules["lowering"] is lowering
+        assert "converters" not in sys.modules
+        assert callable(npu_fuse.ops.inplace_partial_rotary_mul)
+        print("ok")
+    """))
+    env = dict(os.environ, PYTHONPATH=str(installed), NPU_FUSE_FALLBACK="aot_eager")
+    result = subprocess.run([sys.executable, "train.py"], cwd=user, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "ok"
