@@ -8,6 +8,10 @@
   when an input requires grad, instead of autograd silently not recording the op.
 - ``@npu_kernel(op)``: the op's torch_npu kernel, registered for the "npu" device
   only once torch_npu is loaded (the device type does not exist before).
+- ``@soc_limits(op)``: ``fn(soc, *args, **kwargs) -> reason or None``, the limits the
+  op's NPU kernel has on a SoC ("generic": no SoC known), checked by the pass manager on
+  every call a fusion inserts (fake arguments), so a rewrite the SoC cannot run is a
+  near-miss naming the limit.
 
 Every module in ``lowering/ops`` is imported by :func:`load_ops`, so adding an op
 touches nothing here; the names in each module's ``__all__`` are its public entry
@@ -22,6 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 
 DECOMPOSITIONS: dict = {}
+SOC_LIMITS: dict = {}
 _autograd_guards = torch.library.Library("npu_fuse", "FRAGMENT")
 _npu_kernels: list = []
 _npu_kernels_registered = False
@@ -30,6 +35,14 @@ _npu_kernels_registered = False
 def decomposition(op: torch._ops.OpOverload) -> Callable:
     def register(fn: Callable) -> Callable:
         DECOMPOSITIONS[op] = fn
+        return fn
+
+    return register
+
+
+def soc_limits(op: torch._ops.OpOverload) -> Callable:
+    def register(fn: Callable) -> Callable:
+        SOC_LIMITS[op] = fn
         return fn
 
     return register

@@ -1,6 +1,7 @@
 """The ``npu_fuse`` Dynamo backend: AOTAutograd, the fusion passes, then a lowering."""
 
 import logging
+from typing import Optional
 
 from torch.fx import GraphModule
 
@@ -16,9 +17,12 @@ LOWERINGS = ("auto", "npu", "fallback")
 FALLBACKS = ("inductor", "aot_eager")
 
 
-def run_fusion_passes(gm: GraphModule, lowering: str = "") -> GraphReport:
-    """Run every enabled fusion pass over one aten graph, in place; returns its report."""
-    return PassManager()(gm, lowering)
+def run_fusion_passes(gm: GraphModule, lowering: str = "", unsupported_ops: Optional[dict] = None) -> GraphReport:
+    """Run every enabled fusion pass over one aten graph, in place; returns its report.
+
+    ``unsupported_ops`` maps a fused op's name to why the lowering cannot take it (its
+    rewrites become near-misses with that reason)."""
+    return PassManager()(gm, lowering, unsupported_ops)
 
 
 def npu_fuse_backend(gm: GraphModule, example_inputs, **kwargs):

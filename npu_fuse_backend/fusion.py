@@ -1,15 +1,21 @@
 """The fusion-pass core: the pass interface, the graph rewriter and the manager.
 
-A fusion pass is a small class (see ``passes/``): ``find`` walks the graph once
-without touching it and yields either a :class:`Rewrite` (a subgraph to replace)
-or a :class:`~npu_fuse_backend.report.NearMiss` (a subgraph that broke a rule).
-The :class:`PassManager` applies the rewrites through a journal, so that a pass
-that fails half-way leaves the graph exactly as it found it, with a warning (or
-an exception under ``config.strict``).
+A fusion pass (see ``passes/``) is a small class: ``anchors`` names the nodes where its
+pattern may be rooted and ``match`` looks at one of them, reading the graph only. It
+returns a :class:`Rewrite` (a subgraph and how to build its replacement), ``None`` (not
+this pattern), or raises :class:`NotFused` with the rule the candidate breaks (a
+near-miss, reported with that reason).
+
+The :class:`PassManager` canonicalizes the graph, runs the passes in their declared
+order, applies each pass's rewrites through a journal and checks every fused-op call a
+rewrite inserted against the target: a fused op the lowering cannot convert, or one
+whose arguments break that op's limits on the target SoC, undoes that rewrite and
+becomes a near-miss. A pass that fails half-way leaves the graph exactly as it found
+it, with a warning (or an exception under ``config.strict``).
 
 New passes register themselves with :func:`register_fusion`; every module in
-``npu_fuse_backend/passes`` is imported on first use, so adding a fusion touches
-nothing here.
+``npu_fuse_backend/passes`` is imported on first use and ``runs_before`` orders them, so
+adding a fusion touches nothing here.
 """
 
 import dataclasses
@@ -24,6 +30,8 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from . import config
+from .canonicalize import canonicalize
+from .lowering.registry import SOC_LIMITS
 from .report import GraphReport, Match, NearMiss, new_report, publish
 from .soc import resolve_soc
 
@@ -34,6 +42,11 @@ class FusionError(RuntimeError):
     """An internal failure of a fusion pass (raised only under ``config.strict``)."""
 
 
+class NotFused(Exception):
+    """Raised by :meth:`FusionPass.match`: the candidate looks like the pattern but breaks
+    the rule named in the message, so it is not fused (a near-miss)."""
+
+
 @dataclasses.dataclass
 class PassContext:
     """What a pass may read while matching one graph."""
@@ -42,11 +55,13 @@ class PassContext:
     soc: str  # "generic" or a named SoC
     kind: str  # "forward", "backward" or "inference"
     fake_mode: Any
+    # fused op name -> why the lowering cannot take it (e.g. the installed CANN lacks its GE op)
+    unsupported_ops: dict = dataclasses.field(default_factory=dict)
     _positions: Optional[dict] = None
 
     def position(self, node: Node) -> int:
-        """The node's index in the graph (topological order), computed once per graph."""
-        if self._positions is None:
+        """The node's index in the graph (topological order); recomputed when the graph grew."""
+        if self._positions is None or node not in self._positions:
             self._positions = {n: i for i, n in enumerate(self.graph.nodes)}
         return self._positions[node]
 
@@ -78,6 +93,12 @@ class GraphBuilder:
             node.meta["val"] = target(*fake_args, **fake_kwargs)
         return node
 
+    def unsqueeze_to(self, node: Node, rank: int) -> Node:
+        """node with leading unit dims added up to ``rank`` dims."""
+        while node.meta["val"].dim() < rank:
+            node = self.call(torch.ops.aten.unsqueeze.default, node, 0)
+        return node
+
 
 @dataclasses.dataclass
 class Rewrite:
@@ -102,13 +123,17 @@ class FusionPass:
 
     name: str = ""  # the name used by config.disabled_fusions
     family: str = ""  # the family named in the report
-    order: int = 100  # passes run in ascending order (a pass that claims a larger subgraph goes first)
+    anchor_targets: tuple = ()  # the ops a match is rooted at (see ``anchors``)
+    runs_before: tuple[str, ...] = ()  # passes that must run after this one (it claims larger subgraphs)
 
-    def find(self, ctx: PassContext) -> Iterable[Union[Rewrite, NearMiss]]:
+    def anchors(self, ctx: PassContext) -> Iterable[Node]:
+        """The nodes ``match`` looks at: by default every call of an ``anchor_targets`` op."""
+        return (n for n in ctx.graph.nodes if n.op == "call_function" and n.target in self.anchor_targets)
+
+    def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
+        """A Rewrite for the subgraph rooted at anchor, None when it is not this pattern;
+        raises NotFused(reason) when it is the pattern but breaks a rule."""
         raise NotImplementedError
-
-    def near_miss(self, anchor: Node, reason: str) -> NearMiss:
-        return NearMiss(self.family, anchor.name, reason)
 
 
 _registry: dict[str, type] = {}
@@ -134,6 +159,26 @@ def registered_fusions() -> dict[str, type]:
     return dict(_registry)
 
 
+def ordered(fusions: dict[str, type]) -> list[type]:
+    """The passes in an order that honours every ``runs_before`` (ties by name, so the
+    order never depends on import order)."""
+    after = {name: set() for name in fusions}  # name -> passes that must run before it
+    for name, cls in fusions.items():
+        for later in cls.runs_before:
+            if later in after:
+                after[later].add(name)
+    result: list[type] = []
+    while after:
+        ready = sorted(name for name, before in after.items() if not before)
+        if not ready:
+            raise ValueError(f"fusion passes {sorted(after)} have cyclic runs_before constraints")
+        result.append(fusions[ready[0]])
+        del after[ready[0]]
+        for before in after.values():
+            before.discard(ready[0])
+    return result
+
+
 def graph_kind(graph: Graph) -> str:
     names = [n.name for n in graph.nodes if n.op == "placeholder"]
     if any(name.startswith("tangents") for name in names):
@@ -152,14 +197,16 @@ def _fake_mode_of(graph: Graph) -> Any:
 
 
 class _Journal:
-    """Records one pass's edits so they can be undone as a whole."""
+    """Records one pass's edits so that the last rewrite, or all of them, can be undone."""
 
     def __init__(self, graph: Graph):
         self.graph = graph
         self.inserted: list[Node] = []
         self.replaced: dict[Node, Node] = {}
 
-    def apply(self, rewrite: Rewrite, fake_mode: Any) -> None:
+    def apply(self, rewrite: Rewrite, fake_mode: Any) -> list[Node]:
+        """Build the replacement and redirect the subgraph's outputs to it; returns the new nodes."""
+        first = len(self.inserted)
         builder = GraphBuilder(self.graph, fake_mode, self.replaced, self.inserted)
         with self.graph.inserting_before(rewrite.anchor):
             built = rewrite.build(builder)
@@ -168,13 +215,39 @@ class _Journal:
             new.meta.setdefault("stack_trace", old.meta.get("stack_trace"))
             old.replace_all_uses_with(new)
             self.replaced[old] = new
+        return self.inserted[first:]
 
-    def rollback(self) -> None:
-        for old, new in reversed(list(self.replaced.items())):
+    def checkpoint(self) -> tuple[int, int]:
+        return len(self.inserted), len(self.replaced)
+
+    def rollback(self, to: tuple[int, int] = (0, 0)) -> None:
+        inserted, replaced = to
+        for old, new in reversed(list(self.replaced.items())[replaced:]):
             new.replace_all_uses_with(old)
-        for node in reversed(self.inserted):
+            del self.replaced[old]
+        for node in reversed(self.inserted[inserted:]):
             if node.graph is self.graph and not node.users:
                 self.graph.erase_node(node)
+        del self.inserted[inserted:]
+
+
+def fused_calls(nodes: Iterable[Node]) -> list[tuple]:
+    """(op, args, kwargs) with fake values of every npu_fuse op called by nodes, directly or
+    through ``auto_functionalized_v2`` (whose mutated arguments are its ``_all_bases``)."""
+    calls = []
+    for node in nodes:
+        if node.op != "call_function":
+            continue
+        args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        op = node.target
+        if op is torch.ops.higher_order.auto_functionalized_v2:
+            op, args = args[0], ()
+            kwargs = {k: v for k, v in kwargs.items() if not k.startswith("_")}
+            for name in (a.name for a in op._schema.arguments if a.alias_info and a.alias_info.is_write):
+                kwargs[name] = node.kwargs["_all_bases"][node.kwargs[f"_{name}_base_index"]].meta.get("val")
+        if isinstance(op, torch._ops.OpOverload) and op.namespace == "npu_fuse":
+            calls.append((op, args, kwargs))
+    return calls
 
 
 class PassManager:
@@ -182,11 +255,10 @@ class PassManager:
 
     def __init__(self, passes: Optional[list[FusionPass]] = None):
         if passes is None:
-            passes = [cls() for name, cls in sorted(registered_fusions().items(), key=lambda kv: kv[1].order)
-                      if name not in config.disabled_fusions]
+            passes = [cls() for cls in ordered(registered_fusions()) if cls.name not in config.disabled_fusions]
         self.passes = passes
 
-    def __call__(self, gm: GraphModule, lowering: str = "") -> GraphReport:
+    def __call__(self, gm: GraphModule, lowering: str = "", unsupported_ops: Optional[dict] = None) -> GraphReport:
         start = time.perf_counter()
         graph = gm.graph
         report = new_report(graph_kind(graph), lowering, len(graph.nodes))
@@ -194,9 +266,11 @@ class PassManager:
         if fake_mode is None:
             report.errors.append("graph has no fake-tensor metadata; nothing fused")
         else:
-            soc, changed = resolve_soc(), False
+            soc = resolve_soc()
+            changed = self._canonicalize(graph, report)
             for fusion in self.passes:  # a fresh context each: the previous pass may have edited the graph
-                changed |= self._run_one(fusion, PassContext(graph, soc, report.kind, fake_mode), report)
+                ctx = PassContext(graph, soc, report.kind, fake_mode, dict(unsupported_ops or {}))
+                changed |= self._run_one(fusion, ctx, report)
             if changed:
                 graph.lint()
                 gm.recompile()
@@ -204,39 +278,77 @@ class PassManager:
         publish(report)
         return report
 
+    def _canonicalize(self, graph: Graph, report: GraphReport) -> bool:
+        try:
+            return canonicalize(graph) > 0
+        except Exception as exc:  # semantics-preserving edits; a failure only means fewer of them
+            self._fail("canonicalize", exc, report)
+            return False
+
     def _run_one(self, fusion: FusionPass, ctx: PassContext, report: GraphReport) -> bool:
         journal = _Journal(ctx.graph)
         matches: list[Match] = []
         near_misses: list[NearMiss] = []
         try:
-            found = list(fusion.find(ctx))
+            found = []  # matching reads the graph only: every candidate sees the original subgraphs
+            for anchor in list(fusion.anchors(ctx)):
+                try:
+                    rewrite = fusion.match(ctx, anchor)
+                except NotFused as miss:
+                    near_misses.append(self._near_miss(fusion, anchor, str(miss)))
+                    continue
+                if rewrite is not None:
+                    found.append(rewrite)
             claimed: set[Node] = set()
-            for item in found:
-                if isinstance(item, NearMiss):
-                    near_misses.append(item)
-                    continue
-                subgraph = [item.anchor, *item.nodes]
+            for rewrite in found:
+                subgraph = [rewrite.anchor, *rewrite.nodes]
                 if claimed.intersection(subgraph):
-                    near_misses.append(fusion.near_miss(
-                        item.anchor, "overlaps a subgraph that was already fused"))
+                    near_misses.append(self._near_miss(fusion, rewrite.anchor,
+                                                       "overlaps a subgraph that was already fused"))
                     continue
-                journal.apply(item, ctx.fake_mode)
+                checkpoint = journal.checkpoint()
+                refusal = self._refusal(ctx, journal.apply(rewrite, ctx.fake_mode))
+                if refusal:
+                    journal.rollback(checkpoint)
+                    near_misses.append(self._near_miss(fusion, rewrite.anchor, refusal))
+                    continue
                 claimed.update(subgraph)
-                matches.append(Match(fusion.family, item.op, item.anchor.name,
-                                     tuple(n.name for n in subgraph), item.detail))
+                matches.append(Match(fusion.family, rewrite.op, rewrite.anchor.name,
+                                     tuple(n.name for n in subgraph), rewrite.detail))
             _erase_dead(ctx.graph, claimed)
         except Exception as exc:  # a pass must never break the user's compile
             journal.rollback()
-            message = f"fusion pass {fusion.name!r} failed and left the graph unfused: {exc!r}"
-            if config.strict:
-                raise FusionError(message) from exc
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-            log.warning("%s", message, exc_info=True)
-            report.errors.append(message)
+            self._fail(f"fusion pass {fusion.name!r}", exc, report)
             return False
         report.matches.extend(matches)
         report.near_misses.extend(near_misses)
         return bool(matches)
+
+    @staticmethod
+    def _refusal(ctx: PassContext, inserted: list[Node]) -> Optional[str]:
+        """Why the target cannot take a fused-op call the rewrite inserted, if it cannot."""
+        for op, args, kwargs in fused_calls(inserted):
+            name = op._opname
+            if name in ctx.unsupported_ops:
+                return ctx.unsupported_ops[name]
+            limits = SOC_LIMITS.get(op)
+            reason = limits(ctx.soc, *args, **kwargs) if limits else None
+            if reason:
+                return f"{name} on {ctx.soc}: {reason}"
+        return None
+
+    @staticmethod
+    def _near_miss(fusion: FusionPass, anchor: Node, reason: str) -> NearMiss:
+        return NearMiss(fusion.family, anchor.name, reason)
+
+    @staticmethod
+    def _fail(what: str, exc: Exception, report: GraphReport) -> None:
+        message = f"{what} failed and left the graph unfused: {exc!r}"
+        if config.strict:
+            raise FusionError(message) from exc
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        log.warning("%s", message, exc_info=True)
+        report.errors.append(message)
 
 
 def _erase_dead(graph: Graph, nodes: set[Node]) -> None:

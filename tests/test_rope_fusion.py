@@ -342,27 +342,30 @@ def test_report_is_logged_to_the_npu_fuse_logger(caplog):
     assert any("fused rotary_mul" in rec.getMessage() for rec in caplog.records)
 
 
-class ExplodingPass(fusion.FusionPass):
-    """Matches like the RoPE pass, then fails while building its replacement."""
-    name = "exploding"
-    family = "rope"
+def _exploding_pass():
+    from npu_fuse_backend.passes.rope import RotaryMulFusion
 
-    def find(self, ctx):
-        from npu_fuse_backend.passes.rope import RotaryMulFusion
-        for item in RotaryMulFusion().find(ctx):
-            if isinstance(item, fusion.Rewrite):
-                real_build = item.build
+    class ExplodingPass(RotaryMulFusion):
+        """Matches like the RoPE pass, then fails while building its replacement."""
+        name = "exploding"
 
-                def build(b, real_build=real_build):
+        def match(self, ctx, anchor):
+            rewrite = super().match(ctx, anchor)
+            if rewrite is not None:
+                real_build = rewrite.build
+
+                def build(b):
                     real_build(b)  # nodes are inserted, then the pass dies
                     raise RuntimeError("boom")
-                item.build = build
-            yield item
+                rewrite.build = build
+            return rewrite
+
+    return ExplodingPass
 
 
 @pytest.fixture
 def exploding_pass(monkeypatch):
-    monkeypatch.setattr(fusion, "_registry", {"exploding": ExplodingPass})
+    monkeypatch.setattr(fusion, "_registry", {"exploding": _exploding_pass()})
     monkeypatch.setattr(fusion, "_discovered", True)
 
 
@@ -407,12 +410,13 @@ def test_each_pass_sees_graph_positions_after_the_previous_passes_edits(monkeypa
     class Positions(fusion.FusionPass):
         name = family = "positions"
 
-        def find(self, ctx):
+        def anchors(self, ctx):
             seen.append({n.name: ctx.position(n) for n in ctx.graph.nodes})
             return []
 
-    monkeypatch.setattr(fusion, "_registry", {"positions_before": Positions, "rope": _rope_pass(),
-                                              "positions_after": type("After", (Positions,), {"order": 200})})
+    rope = type("Rope", (_rope_pass(),), {"runs_before": ("positions_after",)})
+    monkeypatch.setattr(fusion, "_registry", {"positions_before": type("Before", (Positions,), {"runs_before": ("rope",)}),
+                                              "rope": rope, "positions_after": Positions})
     monkeypatch.setattr(fusion, "_discovered", True)
 
     def fn(q, cos, sin):

@@ -25,21 +25,17 @@ accepts (A2/A3: BS1D, B11D; Ascend950: BSND, B1ND, B11D, 111D).
 """
 
 import operator
-from typing import Optional, Union
+from typing import NamedTuple, Optional
 
 import torch
 from torch.fx import Node
 
+from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
+from ..graph_utils import aten, broadcasts_to, describe, is_call, norm_dim, rank, shape_eq, slice_scatter_args, \
+    static_int, users_outside, val
 from ..lowering.ops.inplace_partial_rotary_mul import FLOAT_DTYPES, MAX_HEAD_DIM
-
-from ..fusion import FusionPass, GraphBuilder, PassContext, Rewrite, register_fusion
-from ..report import NearMiss
+from ..matchers import RopeSite, last_dim_cat, last_dim_piece, match_rope_site
 from ..soc import A2_A3, ASCEND950, GENERIC
-from .graph_utils import (
-    aten, broadcasts_to, describe, is_call, norm_dim, rank, shape_eq, slice_scatter_args, static_int, users_outside,
-    val,
-)
-from .rope import RopeSite, _last_dim_piece, _to_rank4, match_rope_site
 
 LAYOUTS = {name: ("BS1D", "B11D") for name in A2_A3}
 LAYOUTS[ASCEND950] = ("BSND", "B1ND", "B11D", "111D")
@@ -55,13 +51,28 @@ def size_eq_int(a, b) -> bool:
     return static_int(a) is not None and static_int(a) == static_int(b)
 
 
-def _same_tensor(a: Node, b: Node) -> bool:
-    """a and b hold the same values: one node, or equal views of one source."""
-    if a is b:
-        return True
-    views = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-    return (is_call(a, *views) and is_call(b, *views) and a.args[0] is b.args[0]
-            and shape_eq(val(a).shape, val(b).shape))
+class SliceRope(NamedTuple):
+    """RoPE of ``x[..., start:end]``: the site and the slice nodes it reads x through."""
+
+    site: RopeSite
+    x: Node
+    start: int
+    end: int
+    slice_nodes: list
+
+
+def rope_on_slice(node) -> Optional[SliceRope]:
+    """Interleave RoPE of a step-1 last-dim slice of some x, rooted at node."""
+    try:
+        site = match_rope_site(node) if isinstance(node, Node) else None
+    except NotFused:  # the full-RoPE pass reports this site's near-miss
+        return None
+    if site is None or site.rotation.mode != "interleave":
+        return None
+    piece = last_dim_piece(site.x)
+    if piece is None or piece.step != 1 or len(piece.nodes) != 1:
+        return None
+    return SliceRope(site, piece.source, piece.start, piece.end, [site.x])
 
 
 @register_fusion
@@ -71,122 +82,106 @@ class PartialRotaryFusion(FusionPass):
     name = "partial_rope"
     family = "partial_rope"
     op = "inplace_partial_rotary_mul"
-    order = 10  # before "rope", which would otherwise take the slice's rotation alone
+    anchor_targets = (aten.cat.default, aten.slice_scatter.default)
+    runs_before = ("rope",)  # the full-RoPE pass would otherwise take the slice's rotation alone
 
-    def find(self, ctx: PassContext):
-        for node in ctx.graph.nodes:
-            if is_call(node, aten.cat.default):
-                found = self._match_cat(ctx, node)
-            elif is_call(node, aten.slice_scatter.default):
-                found = self._match_scatter(ctx, node)
-            else:
-                continue
-            if found is not None:
-                yield found
+    def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
+        if anchor.target == aten.cat.default:
+            return self._match_cat(ctx, anchor)
+        return self._match_scatter(ctx, anchor)
 
-    def _rope_on_slice(self, node) -> Optional[tuple]:
-        """(site, x, start, end, slice_nodes) when node is RoPE of a last-dim slice of x."""
-        site = match_rope_site(node) if isinstance(node, Node) else None
-        if not isinstance(site, RopeSite) or site.rotation.mode != "interleave":
-            return None
-        piece = _last_dim_piece(site.x)
-        if piece is None or piece[3] != 1 or len(piece[4]) != 1:
-            return None
-        x, start, end = piece[:3]
-        return site, x, start, end, [site.x, site.rotation.source]
-
-    def _match_cat(self, ctx: PassContext, cat: Node) -> Union[Rewrite, NearMiss, None]:
-        tensors = cat.args[0]
-        dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
-        out_rank = rank(cat)
-        if out_rank is None or norm_dim(dim, out_rank) != out_rank - 1 or len(tensors) < 2:
+    def _match_cat(self, ctx: PassContext, cat: Node) -> Optional[Rewrite]:
+        tensors = last_dim_cat(cat)
+        if tensors is None or len(tensors) < 2:
             return None
         for i, piece in enumerate(tensors):
-            found = self._rope_on_slice(piece)
+            found = rope_on_slice(piece)
             if found is None:
                 continue
-            site, x, start, end, x_slices = found
-            covered, extra = 0, [piece, *x_slices]
+            covered, extra = 0, [piece, *found.slice_nodes]
             for j, other in enumerate(tensors):
                 if j == i:
-                    lo, hi = start, end
+                    lo, hi = found.start, found.end
                 else:
-                    kept = _last_dim_piece(other)
-                    if kept is None or kept[0] is not x or kept[3] != 1:
+                    kept = last_dim_piece(other)
+                    if kept is None or kept.source is not found.x or kept.step != 1:
                         return None
-                    lo, hi = kept[1], kept[2]
-                    extra += kept[4]
+                    lo, hi = kept.start, kept.end
+                    extra += kept.nodes
                 if lo != covered:
                     return None
                 covered = hi
-            if covered != static_int(val(x).shape[-1]):
+            if covered != static_int(val(found.x).shape[-1]):
                 return None
-            return self._rewrite(ctx, cat, site, x, start, end, [*site.nodes, *extra])
+            return self._rewrite(ctx, cat, found, found.x, [*found.site.nodes, *extra])
         return None
 
-    def _match_scatter(self, ctx: PassContext, scatter: Node) -> Union[Rewrite, NearMiss, None]:
+    def _match_scatter(self, ctx: PassContext, scatter: Node) -> Optional[Rewrite]:
         base, src = scatter.args[:2]
         written = [src]
-        if is_call(src, aten.copy.default) and shape_eq(val(src).shape, val(src.args[1]).shape) \
-                and val(src).dtype == val(src.args[1]).dtype:
+        if is_copy_of_same_layout(src):
             # x[..., s:e] = rope is functionalized as slice_scatter(x, copy(x[..., s:e], rope))
             written, src = [src, src.args[0]], src.args[1]
-        found = self._rope_on_slice(src)
+        found = rope_on_slice(src)
         if found is None:
             return None
-        site, x, start, end, x_slices = found
         dim, s_start, s_end, step = slice_scatter_args(scatter)
         head_dim = static_int(val(base).shape[-1])
         if (norm_dim(dim, rank(base)) != rank(base) - 1 or static_int(step) != 1 or
-                static_int(s_start) != start or min(static_int(s_end) or -1, head_dim or 0) != end):
+                static_int(s_start) != found.start or min(static_int(s_end) or -1, head_dim or 0) != found.end):
             return None
-        if not _same_tensor(x, base):
-            return self.near_miss(scatter, f"the rotated slice is read from {x.name} but written into {base.name}")
-        return self._rewrite(ctx, scatter, site, base, start, end, [*site.nodes, src, *written, *x_slices])
+        if found.x is not base:
+            raise NotFused(f"the rotated slice is read from {found.x.name} but written into {base.name}")
+        return self._rewrite(ctx, scatter, found, base, [*found.site.nodes, src, *written, *found.slice_nodes])
 
-    def _rewrite(self, ctx: PassContext, anchor: Node, site: RopeSite, x: Node, start: int, end: int,
-                 nodes: list) -> Union[Rewrite, NearMiss]:
+    def _rewrite(self, ctx: PassContext, anchor: Node, found: SliceRope, x: Node, nodes: list) -> Rewrite:
         nodes = list(dict.fromkeys(nodes))
-        problem = self._check(ctx, anchor, site, x, start, end, nodes)
-        if problem:
-            return self.near_miss(anchor, problem)
+        self._check(ctx, anchor, found, x, nodes)
+        site, start, end = found.site, found.start, found.end
         contiguous = val(x).is_contiguous()
 
         def build(b: GraphBuilder) -> Node:
             xx = x if contiguous else b.call(aten.clone.default, x, memory_format=torch.contiguous_format)
             mutated = b.call(torch.ops.higher_order.auto_functionalized_v2,
                              torch.ops.npu_fuse.inplace_partial_rotary_mul.default,
-                             r1=_to_rank4(b, site.cos), r2=_to_rank4(b, site.sin), rotary_mode="interleave",
-                             partial_slice=[start, end], _x_base_index=0, _all_bases=[xx])
+                             r1=b.unsqueeze_to(site.cos, 4), r2=b.unsqueeze_to(site.sin, 4),
+                             rotary_mode="interleave", partial_slice=[start, end], _x_base_index=0, _all_bases=[xx])
             return b.call(operator.getitem, mutated, 1)
 
         return Rewrite(anchor, nodes, self.op, build, detail=f"slice=[{start}, {end}]")
 
-    def _check(self, ctx, anchor, site, x, start, end, nodes) -> Optional[str]:
+    @staticmethod
+    def _check(ctx, anchor, found: SliceRope, x, nodes) -> None:
+        site, start, end = found.site, found.start, found.end
         xv = val(x)
         if xv.dim() != 4:
-            return f"x {x.name} is {xv.dim()}-D; inplace_partial_rotary_mul takes 4-D BSND x"
+            raise NotFused(f"x {x.name} is {xv.dim()}-D; inplace_partial_rotary_mul takes 4-D BSND x")
         head_dim = static_int(xv.shape[-1])
         if head_dim is None:
-            return f"head dim of {x.name} is symbolic; the op needs a static one"
+            raise NotFused(f"head dim of {x.name} is symbolic; the op needs a static one")
         if head_dim > MAX_HEAD_DIM or head_dim % 2:
-            return f"head dim {head_dim} must be even and <= {MAX_HEAD_DIM}"
+            raise NotFused(f"head dim {head_dim} must be even and <= {MAX_HEAD_DIM}")
         if (end - start) % 2:
-            return f"slice [{start}:{end}] has odd length {end - start}"
+            raise NotFused(f"slice [{start}:{end}] has odd length {end - start}")
         dtypes = {val(n).dtype for n in (x, site.cos, site.sin, anchor)}
         if len(dtypes) != 1 or not dtypes <= set(FLOAT_DTYPES):
-            return f"x, cos, sin and the result must share one float dtype, got {sorted(map(str, dtypes))}"
+            raise NotFused(f"x, cos, sin and the result must share one float dtype, got {sorted(map(str, dtypes))}")
         slice_shape = list(xv.shape[:3]) + [end - start]
         for name, t in (("cos", site.cos), ("sin", site.sin)):
             shape = list(val(t).shape)
             if len(shape) > 4 or not broadcasts_to(shape, slice_shape) or not size_eq_int(shape[-1], end - start):
-                return f"{name} shape {shape} is not broadcastable to x[..., {start}:{end}] shape {slice_shape}"
+                raise NotFused(f"{name} shape {shape} is not broadcastable to x[..., {start}:{end}] shape {slice_shape}")
             shape4 = [1] * (4 - len(shape)) + shape
             if ctx.soc != GENERIC and ctx.soc in LAYOUTS and \
                     not any(layout_matches(shape4, slice_shape, lay) for lay in LAYOUTS[ctx.soc]):
-                return (f"{name} layout {shape4} against x {list(xv.shape)} is not one of "
-                        f"{', '.join(LAYOUTS[ctx.soc])} that {ctx.soc} accepts")
+                raise NotFused(f"{name} layout {shape4} against x {list(xv.shape)} is not one of "
+                               f"{', '.join(LAYOUTS[ctx.soc])} that {ctx.soc} accepts")
         leaked = users_outside(nodes, [anchor])
         if leaked is not None:
-            return f"intermediate {describe(leaked)} is used outside the subgraph"
-        return None
+            raise NotFused(f"intermediate {describe(leaked)} is used outside the subgraph")
+
+
+def is_copy_of_same_layout(node) -> bool:
+    """``copy(dst, src)`` with src of dst's shape and dtype: the value is src's."""
+    return is_call(node, aten.copy.default) and shape_eq(val(node).shape, val(node.args[1]).shape) \
+        and val(node).dtype == val(node.args[1]).dtype

@@ -18,25 +18,19 @@ outside the chain; no rewrite that would make the fused op depend on its own
 output; SoC: Ascend950 or generic (the GE fusion targets Ascend950 only).
 """
 
-from typing import Optional, Union
+import dataclasses
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch.fx import Node
 
+from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
+from ..graph_utils import aten, describe, is_call, norm_dim, static_int, users_outside, val
 from ..lowering.ops.softmax_grad_ext import FLOAT_DTYPES
-
-from ..fusion import FusionPass, GraphBuilder, PassContext, Rewrite, register_fusion
-from ..report import NearMiss
+from ..matchers import binary_operands
 from ..soc import A2_A3
-from .graph_utils import aten, describe, is_call, norm_dim, static_int, users_outside, val
 
 Scalar = (int, float)
-
-
-def _mul_operands(node) -> Optional[tuple]:
-    if is_call(node, aten.mul.Tensor) and len(node.args) == 2:
-        return node.args
-    return None
 
 
 def _other(pair, item) -> Optional[object]:
@@ -49,17 +43,43 @@ def _other(pair, item) -> Optional[object]:
 
 
 def _plain_sub(node) -> bool:
-    return is_call(node, aten.sub.Tensor) and len(node.args) == 2 and node.kwargs.get("alpha", 1) == 1
+    return binary_operands(node, aten.sub.Tensor) is not None
 
 
-class _Chain:
-    """A matched chain: its inputs, its nodes and its reduction."""
+class ReducedProduct(NamedTuple):
+    """``sum(a * b, dims, keepdim)``."""
 
-    def __init__(self, grad, x1, x2, nodes, dims, keepdim, scale_inverted=False):
-        self.grad, self.x1, self.x2 = grad, x1, x2
-        self.nodes = list(dict.fromkeys(nodes))
-        self.dims, self.keepdim = dims, keepdim
-        self.scale_inverted = scale_inverted  # y = sbd / x2
+    product: Node
+    dims: list
+    keepdim: bool
+
+
+def sum_of_product(node) -> Optional[ReducedProduct]:
+    if not is_call(node, aten.sum.dim_IntList) or node.kwargs.get("dtype") is not None:
+        return None
+    product = node.args[0]
+    if binary_operands(product, aten.mul.Tensor) is None or not all(isinstance(a, Node) for a in product.args):
+        return None
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return ReducedProduct(product, list(dims or []), keepdim)
+
+
+@dataclasses.dataclass
+class SoftmaxBackward:
+    """A matched chain: ``x2 * x1 * (grad - sum(grad * x1, dims, keepdim))``."""
+
+    grad: Node
+    x1: Node
+    x2: Any  # a node, or a Python scalar
+    nodes: list
+    dims: list
+    keepdim: bool
+    scale_inverted: bool = False  # y = softmax_backward / x2
+    form: str = "decomposed chain"
+
+    def __post_init__(self):
+        self.nodes = list(dict.fromkeys(self.nodes))
 
 
 @register_fusion
@@ -69,33 +89,33 @@ class SoftmaxGradExtFusion(FusionPass):
     name = "softmax_grad"
     family = "softmax_grad"
     op = "softmax_grad_ext"
+    anchor_targets = (aten.mul.Tensor, aten.div.Tensor)
 
-    def find(self, ctx: PassContext):
-        for node in ctx.graph.nodes:
-            if is_call(node, aten.mul.Tensor, aten.div.Tensor) and len(node.args) == 2:
-                chain = self._match_softmax_backward_data(node) or self._match_decomposed(node)
-                if isinstance(chain, NearMiss):
-                    yield chain
-                elif chain is not None:
-                    yield self._check_and_rewrite(ctx, node, chain)
+    def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
+        if len(anchor.args) != 2:
+            return None
+        chain = self._match_softmax_backward_data(anchor) or self._match_decomposed(anchor)
+        return self._check_and_rewrite(ctx, anchor, chain) if chain is not None else None
 
     # -- patterns ---------------------------------------------------------------------
-    def _match_softmax_backward_data(self, y: Node) -> Optional[_Chain]:
+    @staticmethod
+    def _match_softmax_backward_data(y: Node) -> Optional[SoftmaxBackward]:
         for sbd, x2 in (y.args, y.args[::-1]):
             if not is_call(sbd, aten._softmax_backward_data.default):
                 continue
             if y.target == aten.div.Tensor and (sbd is not y.args[0] or not isinstance(x2, Scalar)):
                 return None
             grad, x1, dim = sbd.args[:3]
-            return _Chain(grad, x1, x2, [sbd], [dim], True, scale_inverted=y.target == aten.div.Tensor)
+            return SoftmaxBackward(grad, x1, x2, [sbd], [dim], True, scale_inverted=y.target == aten.div.Tensor,
+                                   form="softmax_backward_data")
         return None
 
-    def _match_decomposed(self, y: Node) -> Union[_Chain, NearMiss, None]:
+    def _match_decomposed(self, y: Node) -> Optional[SoftmaxBackward]:
         if y.target != aten.mul.Tensor:
             return None
         for a, b in (y.args, y.args[::-1]):
             # v2: (x1 * sub) * x2   |   v1: sub * (x2 * x1)   |   decomposed sbd: (m0 - x1 * s) * x2
-            a_ops = _mul_operands(a)
+            a_ops = binary_operands(a, aten.mul.Tensor)
             if a_ops is not None:
                 for sub in a_ops:
                     if _plain_sub(sub):
@@ -103,7 +123,7 @@ class SoftmaxGradExtFusion(FusionPass):
                         if found is not None:
                             return found
             if _plain_sub(a):
-                b_ops = _mul_operands(b)
+                b_ops = binary_operands(b, aten.mul.Tensor)
                 if b_ops is not None:
                     found = self._from_sub(a, x1_hint=None, x2=b_ops, extra=[b])
                     if found is not None:
@@ -117,75 +137,65 @@ class SoftmaxGradExtFusion(FusionPass):
                     return found
         return None
 
-    def _from_fma(self, fma: Node, x2) -> Optional[_Chain]:
+    @staticmethod
+    def _from_fma(fma: Node, x2) -> Optional[SoftmaxBackward]:
         """fma(-x1, sum(m0), m0) = m0 - x1 * sum(m0): inductor's _softmax_backward_data."""
         neg_x1, total, m0 = fma.args
-        reduced = self._sum_of_product(total)
-        if not is_call(neg_x1, aten.neg.default) or reduced is None or reduced[0] is not m0:
+        reduced = sum_of_product(total)
+        if not is_call(neg_x1, aten.neg.default) or reduced is None or reduced.product is not m0:
             return None
         x1 = neg_x1.args[0]
         grad = _other(m0.args, x1)
         if grad is None:
             return None
-        return _Chain(grad, x1, x2, [fma, neg_x1, total, m0], reduced[1], reduced[2])
+        return SoftmaxBackward(grad, x1, x2, [fma, neg_x1, total, m0], reduced.dims, reduced.keepdim)
 
-    def _from_sub(self, sub: Node, x1_hint, x2, extra) -> Union[_Chain, NearMiss, None]:
+    @staticmethod
+    def _from_sub(sub: Node, x1_hint, x2, extra) -> Optional[SoftmaxBackward]:
         """sub = grad - sum(grad * x1). x2 is a node/scalar, or (v1) the operands of x2 * x1."""
         first, second = sub.args
         for total, grad, swapped in ((second, first, False), (first, second, True)):
-            reduced = self._sum_of_product(total)
+            reduced = sum_of_product(total)
             if reduced is None:
                 continue
-            m0, dims, keepdim = reduced
-            x1 = _other(m0.args, grad)
+            x1 = _other(reduced.product.args, grad)
             if x1 is None:
                 continue
             if swapped:
-                return self.near_miss(sub, f"{describe(sub)} computes sum - grad, not grad - sum: "
-                                           "a different function, not softmax backward")
+                raise NotFused(f"{describe(sub)} computes sum - grad, not grad - sum: "
+                               "a different function, not softmax backward")
             if isinstance(x2, tuple):  # v1: the other Mul must be x2 * x1
                 x2 = _other(x2, x1)
                 if x2 is None:
-                    return self.near_miss(sub, "the scale Mul does not share x1 with the first Mul")
+                    raise NotFused("the scale Mul does not share x1 with the first Mul")
             elif x1_hint is not x1:
-                return self.near_miss(sub, "the Mul after the Sub does not share x1 with the first Mul")
-            return _Chain(grad, x1, x2, [*extra, sub, total, m0], dims, keepdim)
+                raise NotFused("the Mul after the Sub does not share x1 with the first Mul")
+            return SoftmaxBackward(grad, x1, x2, [*extra, sub, total, reduced.product], reduced.dims,
+                                   reduced.keepdim)
         return None
 
-    def _from_decomposed_sbd(self, sub: Node, x2) -> Optional[_Chain]:
+    @staticmethod
+    def _from_decomposed_sbd(sub: Node, x2) -> Optional[SoftmaxBackward]:
         """sub = m0 - x1 * sum(m0), m0 = grad * x1 (torch._decomp's _softmax_backward_data)."""
         m0, scaled = sub.args
-        scaled_ops = _mul_operands(scaled)
-        m0_ops = _mul_operands(m0)
+        scaled_ops = binary_operands(scaled, aten.mul.Tensor)
+        m0_ops = binary_operands(m0, aten.mul.Tensor)
         if scaled_ops is None or m0_ops is None:
             return None
         for total in scaled_ops:
-            reduced = self._sum_of_product(total)
-            if reduced is None or reduced[0] is not m0:
+            reduced = sum_of_product(total)
+            if reduced is None or reduced.product is not m0:
                 continue
             x1 = _other(scaled_ops, total)
             grad = _other(m0_ops, x1)
             if grad is None:
                 return None
-            return _Chain(grad, x1, x2, [sub, scaled, total, m0], reduced[1], reduced[2])
+            return SoftmaxBackward(grad, x1, x2, [sub, scaled, total, m0], reduced.dims, reduced.keepdim)
         return None
 
-    @staticmethod
-    def _sum_of_product(node) -> Optional[tuple]:
-        if not is_call(node, aten.sum.dim_IntList) or node.kwargs.get("dtype") is not None:
-            return None
-        product = node.args[0]
-        if _mul_operands(product) is None or not all(isinstance(a, Node) for a in product.args):
-            return None
-        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-        return product, list(dims or []), keepdim
-
     # -- constraints and replacement ------------------------------------------------------
-    def _check_and_rewrite(self, ctx: PassContext, y: Node, chain: _Chain) -> Union[Rewrite, NearMiss]:
-        problem = self._check(ctx, y, chain)
-        if problem:
-            return self.near_miss(y, problem)
+    def _check_and_rewrite(self, ctx: PassContext, y: Node, chain: SoftmaxBackward) -> Rewrite:
+        self._check(ctx, y, chain)
         grad, x1, x2 = chain.grad, chain.x1, chain.x2
         dtype = val(grad).dtype
 
@@ -203,46 +213,46 @@ class SoftmaxGradExtFusion(FusionPass):
                 out = b.call(aten._to_copy.default, out, dtype=val(y).dtype)
             return out
 
-        form = "softmax_backward_data" if is_call(chain.nodes[0], aten._softmax_backward_data.default) \
-            else "decomposed chain"
-        return Rewrite(y, chain.nodes, self.op, build, detail=form)
+        return Rewrite(y, chain.nodes, self.op, build, detail=chain.form)
 
-    def _check(self, ctx: PassContext, y: Node, chain: _Chain) -> Optional[str]:
+    def _check(self, ctx: PassContext, y: Node, chain: SoftmaxBackward) -> None:
         if ctx.soc in A2_A3:
-            return f"the SoftmaxGradExt fusion targets Ascend950 only, not {ctx.soc}"
+            raise NotFused(f"the SoftmaxGradExt fusion targets Ascend950 only, not {ctx.soc}")
         grad, x1, x2 = val(chain.grad), val(chain.x1), val(chain.x2)
         for name, t in (("grad", grad), ("x1", x1)) + ((("x2", x2),) if isinstance(x2, torch.Tensor) else ()):
             symbolic = [s for s in t.shape if static_int(s) is None]
             if symbolic:
-                return f"{name} has symbolic dim {symbolic[0]}: SoftmaxGradExt needs static shapes"
+                raise NotFused(f"{name} has symbolic dim {symbolic[0]}: SoftmaxGradExt needs static shapes")
         if grad.shape != x1.shape:
-            return f"grad shape {list(grad.shape)} != x1 shape {list(x1.shape)}"
+            raise NotFused(f"grad shape {list(grad.shape)} != x1 shape {list(x1.shape)}")
         if not 1 <= grad.dim() <= 6:
-            return f"grad is {grad.dim()}-D; SoftmaxGradExt takes 1-D to 6-D"
+            raise NotFused(f"grad is {grad.dim()}-D; SoftmaxGradExt takes 1-D to 6-D")
         if grad.numel() == 0:
-            return "empty tensors are not supported"
+            raise NotFused("empty tensors are not supported")
         if len(chain.dims) != 1 or norm_dim(chain.dims[0], grad.dim()) != grad.dim() - 1:
-            return f"reduction over dims {chain.dims}, not the last dim only"
+            raise NotFused(f"reduction over dims {chain.dims}, not the last dim only")
         if not chain.keepdim:
-            return "the reduction drops the reduced dim (keep_dims must be true)"
+            raise NotFused("the reduction drops the reduced dim (keep_dims must be true)")
         if grad.dtype not in FLOAT_DTYPES or x1.dtype != grad.dtype:
-            return f"grad/x1 dtypes {grad.dtype}/{x1.dtype}: one of float16, bfloat16, float32 required"
+            raise NotFused(f"grad/x1 dtypes {grad.dtype}/{x1.dtype}: one of float16, bfloat16, float32 required")
         if isinstance(x2, torch.Tensor):
             if x2.dtype != grad.dtype:
-                return f"x2 dtype {x2.dtype} != grad dtype {grad.dtype}"
+                raise NotFused(f"x2 dtype {x2.dtype} != grad dtype {grad.dtype}")
             if x2.numel() != 1 and x2.shape != grad.shape:
-                return f"x2 shape {list(x2.shape)} is neither scalar-like nor grad's shape {list(grad.shape)}"
+                raise NotFused(f"x2 shape {list(x2.shape)} is neither scalar-like nor grad's shape "
+                               f"{list(grad.shape)}")
         elif not isinstance(chain.x2, Scalar) or isinstance(chain.x2, bool):
-            return f"x2 {chain.x2!r} is not a number or tensor"
+            raise NotFused(f"x2 {chain.x2!r} is not a number or tensor")
         cycle = self._depends_on_chain(ctx, chain)
         if cycle is not None:
-            return f"x2 depends on {describe(cycle)} of the chain: fusing would make the op depend on its own output"
+            raise NotFused(f"x2 depends on {describe(cycle)} of the chain: fusing would make the op depend "
+                           "on its own output")
         leaked = users_outside(chain.nodes, [y])
         if leaked is not None:
-            return f"intermediate {describe(leaked)} is used outside the subgraph"
-        return None
+            raise NotFused(f"intermediate {describe(leaked)} is used outside the subgraph")
 
-    def _depends_on_chain(self, ctx: PassContext, chain: _Chain) -> Optional[Node]:
+    @staticmethod
+    def _depends_on_chain(ctx: PassContext, chain: SoftmaxBackward) -> Optional[Node]:
         """The chain node x2 is computed from, if any (walks back only past the chain's start)."""
         if not isinstance(chain.x2, Node):
             return None
@@ -258,4 +268,3 @@ class SoftmaxGradExtFusion(FusionPass):
             seen.add(node)
             stack.extend(node.all_input_nodes)
         return None
-

@@ -1,4 +1,4 @@
-"""Small helpers the fusion passes share for reading aten FX graphs.
+"""Small helpers for reading aten FX graphs (the matchers and passes build on them).
 
 All reads go through the ``meta["val"]`` fake tensors AOTAutograd leaves on each
 node, and shape comparisons never add guards (symbolic sizes compare only when
@@ -80,33 +80,6 @@ def slice_scatter_args(node: Node):
     defaults = (0, 0, INT_MAX, 1)
     return tuple(node.kwargs.get(name, arg if arg is not None else default)
                  for name, arg, default in zip(("dim", "start", "end", "step"), args, defaults))
-
-
-def is_noop_slice(node: Node) -> bool:
-    if not is_call(node, aten.slice.Tensor):
-        return False
-    src = val(node.args[0])
-    dim, start, end, step = slice_args(node)
-    dim = norm_dim(dim, src.dim())
-    end_i = static_int(end)
-    return (static_int(start) == 0 and static_int(step) == 1
-            and (end_i == INT_MAX or (end_i is not None and size_eq(src.shape[dim], end_i))))
-
-
-def skip_noop_slices(node: Any) -> Any:
-    """Follow ``x[:, :, :]``-style identity slices back to the sliced tensor."""
-    while is_noop_slice(node):
-        node = node.args[0]
-    return node
-
-
-def same_value(a: Any, b: Any) -> bool:
-    """a and b are one node, or two identical slices of one tensor (``x[..., :r]`` written twice)."""
-    a, b = skip_noop_slices(a), skip_noop_slices(b)
-    if a is b:
-        return True
-    return (is_call(a, aten.slice.Tensor) and is_call(b, aten.slice.Tensor)
-            and same_value(a.args[0], b.args[0]) and slice_args(a) == slice_args(b))
 
 
 def users_outside(nodes: Iterable[Node], outputs: Iterable[Node]) -> Optional[Node]:

@@ -1,0 +1,89 @@
+"""Canonicalization before the fusion passes: one form of a value instead of several.
+
+Model code and tracing leave nodes that change nothing, and write the same view twice;
+each would otherwise be a special case in every matcher that reads through it:
+
+- no-op slices (``x[:, :, :]``, ``x[..., 0:D]``), views/reshapes/expands to x's own
+  shape, casts to x's own dtype and clones that keep x's strides -> x;
+- identical pure views of one tensor (``x[..., :r]`` written twice, two ``split``\\ s of
+  the same tensor) -> one node.
+
+The graph is functionalized (values are never mutated in place), so these edits keep
+its meaning. A node that is a graph output is never removed: AOTAutograd has already
+decided which outputs alias inputs.
+"""
+
+import operator
+
+import torch
+from torch.fx import Graph, Node
+
+from .graph_utils import INT_MAX, aten, is_call, norm_dim, shape_eq, size_eq, slice_args, static_int, val
+
+RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+            aten.alias.default)
+CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default, aten.clone.default)
+# pure, cheap ops whose identical calls on one input are one value
+DEDUPLICATED = (aten.slice.Tensor, aten.select.int, aten.view.default, aten._unsafe_view.default,
+                aten.reshape.default, aten.unsqueeze.default, aten.squeeze.dim, aten.permute.default,
+                aten.transpose.int, aten.t.default, aten.expand.default, aten.split.Tensor,
+                aten.split_with_sizes.default, aten.unbind.int, operator.getitem)
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.device == b.device and shape_eq(a.shape, b.shape)
+            and shape_eq(a.stride(), b.stride()) and size_eq(a.storage_offset(), b.storage_offset()))
+
+
+def _is_noop(node: Node) -> bool:
+    """node returns a value equal to, and laid out like, its first argument."""
+    if not node.args or not isinstance(node.args[0], Node):
+        return False
+    out, src = val(node), val(node.args[0])
+    if not (isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor) and _same_layout(out, src)):
+        return False
+    if is_call(node, aten.slice.Tensor):
+        dim, start, end, step = slice_args(node)
+        end_i = static_int(end)
+        return (static_int(start) == 0 and static_int(step) == 1
+                and (end_i == INT_MAX or (end_i is not None and size_eq(src.shape[norm_dim(dim, src.dim())], end_i))))
+    if is_call(node, *RESHAPES):
+        return True
+    if is_call(node, *CASTS):  # same dtype, device and strides: checked above; nothing else may change
+        return set(node.kwargs) <= {"dtype", "layout", "device", "pin_memory", "memory_format"}
+    return False
+
+
+def _freeze(arg):
+    if isinstance(arg, (list, tuple)):
+        return tuple(_freeze(a) for a in arg)
+    if isinstance(arg, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in arg.items()))
+    return arg
+
+
+def canonicalize(graph: Graph) -> int:
+    """Remove no-op nodes and merge duplicate views, in place; returns how many nodes went."""
+    outputs = {n for n in graph.nodes if n.op == "output" for n in n.all_input_nodes}
+    seen: dict = {}
+    removed = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node in outputs:
+            continue
+        if _is_noop(node):
+            node.replace_all_uses_with(node.args[0])
+        elif node.target in DEDUPLICATED:
+            try:
+                key = (node.target, _freeze(node.args), _freeze(node.kwargs))
+                hash(key)
+            except TypeError:  # an unhashable constant argument: leave the node alone
+                continue
+            if key not in seen:
+                seen[key] = node
+                continue
+            node.replace_all_uses_with(seen[key])
+        else:
+            continue
+        graph.erase_node(node)
+        removed += 1
+    return removed

@@ -1,0 +1,606 @@
+"""Building blocks the fusion passes share: each recognises one piece of model code in an
+aten graph and returns a typed record of what it found, or None.
+
+A building block that finds its piece but sees a broken rule raises
+:class:`~npu_fuse_backend.fusion.NotFused` with the reason; a caller that tries
+alternatives catches it. The graph is canonicalized first (``canonicalize.py``), so
+no-op slices, views and casts, and duplicate views of one tensor, are already gone.
+
+- pieces of the last dim: :func:`last_dim_piece`, :func:`pieces_of`, :func:`last_dim_cat`,
+  :func:`new_last_dim_stack`; casts and signs: :func:`uncast`, :func:`negated`;
+- rotations: :func:`match_rotation` (R(x), half or interleave), :func:`match_rotation_transpose`
+  (R^T as autograd writes it), :func:`match_rope_site` (``x * cos + R(x) * sin``);
+- normalisation and projections: :func:`match_rms_norm`, :func:`match_quantize`, :func:`match_linear`;
+- layout: :func:`transposed`, :func:`swaps_last_two`, :func:`swaps_01`, :func:`deinterleaved`.
+"""
+
+import dataclasses
+import operator
+from typing import Any, NamedTuple, Optional
+
+import torch
+from torch.fx import Node
+
+from .fusion import NotFused
+from .graph_utils import INT_MAX, VIEWS, aten, is_call, norm_dim, rank, shape_eq, size_eq, slice_args, \
+    slice_scatter_args, static_int, val
+
+CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+
+
+# -- pieces of the last dim, casts, signs ---------------------------------------------------
+class Piece(NamedTuple):
+    """``source[..., start:end:step]``: a last-dim slice, or one part of a last-dim split."""
+
+    source: Node
+    start: int
+    end: int
+    step: int
+    nodes: list  # the slice (or getitem and split) computing it
+
+
+class Stripped(NamedTuple):
+    """A value without the dtype casts around it."""
+
+    node: Any
+    casts: list
+
+
+def uncast(node) -> Stripped:
+    casts = []
+    while is_call(node, *CASTS) and set(node.kwargs) <= {"dtype", "layout", "device"}:
+        casts.append(node)
+        node = node.args[0]
+    return Stripped(node, casts)
+
+
+def negated(node) -> Optional[Node]:
+    """``y`` when node is ``-y`` (``neg`` or a multiply by -1)."""
+    if is_call(node, aten.neg.default):
+        return node.args[0]
+    if is_call(node, aten.mul.Tensor):
+        a, b = node.args[:2]
+        if b == -1 and isinstance(a, Node):
+            return a
+        if a == -1 and isinstance(b, Node):
+            return b
+    return None
+
+
+def _dim_arg(node: Node, position: int, default: int = 0) -> Any:
+    return node.args[position] if len(node.args) > position else node.kwargs.get("dim", default)
+
+
+def _is_last_dim(dim, node: Node) -> bool:
+    ndim = rank(node)
+    return ndim is not None and isinstance(dim, int) and norm_dim(dim, ndim) == ndim - 1
+
+
+def _python_index(index: int, size: int) -> int:
+    """A slice bound as aten.slice reads it: negative counts from the end, clamped to [0, size]."""
+    if index < 0:
+        index += size
+    return min(max(index, 0), size)
+
+
+def last_dim_piece(node) -> Optional[Piece]:
+    if is_call(node, aten.slice.Tensor):
+        src = node.args[0]
+        dim, start, end, step = slice_args(node)
+        if not _is_last_dim(dim, src):
+            return None
+        start, end, step = static_int(start), static_int(end), static_int(step)
+        size = static_int(val(src).shape[-1])
+        if None in (start, end, step):
+            return None
+        if size is None:  # a symbolic head dim: only [start:] with a non-negative start is known
+            if end != INT_MAX or start < 0:
+                return None
+            return Piece(src, start, end, step, [node])
+        return Piece(src, _python_index(start, size), _python_index(end, size), step, [node])
+    if is_call(node, operator.getitem) and is_call(node.args[0], aten.split.Tensor, aten.split_with_sizes.default):
+        split, index = node.args
+        src = split.args[0]
+        size = static_int(val(src).shape[-1]) if rank(src) else None
+        if not _is_last_dim(_dim_arg(split, 2), src) or size is None:
+            return None
+        if split.target == aten.split.Tensor:
+            chunk = static_int(split.args[1])
+            if chunk is None:
+                return None
+            start, end = index * chunk, min((index + 1) * chunk, size)
+        else:
+            sizes = [static_int(s) for s in split.args[1]]
+            if None in sizes:
+                return None
+            start = sum(sizes[:index])
+            end = start + sizes[index]
+        return Piece(src, start, end, 1, [node, split])
+    return None
+
+
+def is_last_dim_cut(node) -> bool:
+    """node slices or splits the last dim of a tensor, with any (even symbolic) bounds."""
+    if is_call(node, operator.getitem) and is_call(node.args[0], aten.split.Tensor, aten.split_with_sizes.default):
+        split = node.args[0]
+        return _is_last_dim(_dim_arg(split, 2), split.args[0])
+    if is_call(node, aten.slice.Tensor):
+        return _is_last_dim(slice_args(node)[0], node.args[0])
+    return False
+
+
+class PieceUse(NamedTuple):
+    """A user of a tensor that takes one last-dim piece of it."""
+
+    node: Node
+    nodes: list
+
+
+def pieces_of(node: Node) -> dict:
+    """{(start, end): PieceUse} for the step-1 last-dim slices and split parts taken of node."""
+    candidates = []
+    for user in node.users:
+        if is_call(user, aten.split.Tensor, aten.split_with_sizes.default):
+            candidates += list(user.users)
+        else:
+            candidates.append(user)
+    found = {}
+    for candidate in candidates:
+        piece = last_dim_piece(candidate)
+        if piece is not None and piece.source is node and piece.step == 1:
+            found.setdefault((piece.start, piece.end), PieceUse(candidate, piece.nodes))
+    return found
+
+
+def last_dim_cat(node) -> Optional[list]:
+    """The tensors of ``cat(tensors, -1)``, or None."""
+    if not is_call(node, aten.cat.default):
+        return None
+    return list(node.args[0]) if _is_last_dim(_dim_arg(node, 1), node) else None
+
+
+class StackedPair(NamedTuple):
+    """``stack([first, second], -1)``, or ``cat`` of the two unsqueezed on a new last dim."""
+
+    first: Any
+    second: Any
+    nodes: list
+
+
+def new_last_dim_stack(node) -> Optional[StackedPair]:
+    if is_call(node, aten.stack.default):
+        tensors = node.args[0]
+        if len(tensors) == 2 and rank(tensors[0]) is not None and \
+                norm_dim(_dim_arg(node, 1), rank(tensors[0]) + 1) == rank(tensors[0]):
+            return StackedPair(tensors[0], tensors[1], [node])
+        return None
+    tensors = last_dim_cat(node)
+    if tensors is None or len(tensors) != 2 or not all(is_call(t, aten.unsqueeze.default) for t in tensors):
+        return None
+    if not all(_is_last_dim(t.args[1], node) for t in tensors):
+        return None
+    return StackedPair(tensors[0].args[0], tensors[1].args[0], [node, *tensors])
+
+
+# -- rotations --------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Rotation:
+    """R(source) (or R^T(source)) found in the graph: its mode and the nodes that compute it."""
+
+    source: Node
+    mode: str  # "half" or "interleave"
+    nodes: list
+
+
+class PairLane(NamedTuple):
+    """Lane 0 (even positions) or 1 (odd positions) of the interleaved pairs of source."""
+
+    source: Node
+    lane: int
+    nodes: list
+
+
+def pair_lane(node) -> Optional[PairLane]:
+    piece = last_dim_piece(node)
+    if piece is not None:
+        size = static_int(val(piece.source).shape[-1])
+        if piece.step == 2 and piece.start in (0, 1) and \
+                (piece.end == INT_MAX or (size is not None and piece.end >= size - 1)):
+            return PairLane(piece.source, piece.start, piece.nodes)
+        return None
+    # x.view(..., D/2, 2).unbind(-1) / [..., 0]: select on the pair dim of a view
+    if is_call(node, operator.getitem) and is_call(node.args[0], aten.unbind.int):
+        unbind, lane = node.args
+        view, dim, extra = unbind.args[0], _dim_arg(unbind, 1), [node, unbind]
+    elif is_call(node, aten.select.int):
+        view, dim, lane = node.args
+        extra = [node]
+    else:
+        return None
+    if not _is_last_dim(dim, view) or not is_call(view, *VIEWS):
+        return None
+    src = view.args[0]
+    vs, ss = val(view).shape, val(src).shape
+    if len(vs) != len(ss) + 1 or not size_eq(vs[-1], 2) or not shape_eq(vs[:-2], ss[:-1]):
+        return None
+    return PairLane(src, static_int(lane), extra + [view])
+
+
+def match_rotation(node) -> Optional[Rotation]:
+    """R(x) rooted at node: ``cat([-x2, x1], -1)`` of the two halves (half), or the
+    interleave form ``stack([-odd, even], -1).flatten(-2)``. Raises NotFused for a
+    rotation whose halves cannot be those of a rotary_mul."""
+    if not rank(node):  # not a tensor node, or 0-d
+        return None
+    parts = last_dim_cat(node)
+    if parts is not None and len(parts) == 2:
+        first, second = parts
+        neg_in = negated(first)
+        if neg_in is None:
+            return None
+        head_dim = val(node).shape[-1]
+        if static_int(head_dim) is None and is_last_dim_cut(neg_in) and is_last_dim_cut(second):
+            raise NotFused(f"head dim of {node.name} is symbolic ({head_dim}); rotary_mul needs a static one")
+        hi, lo = last_dim_piece(neg_in), last_dim_piece(second)
+        if not (hi and lo and hi.source is lo.source and hi.step == lo.step == 1):
+            return None
+        size = static_int(val(hi.source).shape[-1])
+        if lo.start == 0 and hi.end == size and lo.end == hi.start:
+            if lo.end * 2 != size:
+                raise NotFused(f"halves [0:{lo.end}] and [{hi.start}:{size}] of {hi.source.name} are unequal: "
+                               f"head dim {size} is odd or not split in the middle")
+            return Rotation(hi.source, "half", [node, first, *hi.nodes, *lo.nodes])
+        return None
+    if is_call(node, *VIEWS):
+        return interleaved_pairs(node, transposed=False)
+    return None
+
+
+def interleaved_pairs(view: Node, transposed: bool) -> Optional[Rotation]:
+    """view = flatten(stack([a, b], -1)) with (a, b) = (-odd, even) lanes of a source: R,
+    or (odd, -even): R^T."""
+    stacked = new_last_dim_stack(view.args[0])
+    if stacked is None:
+        return None
+    ss, vs = val(view.args[0]).shape, val(view).shape
+    if len(vs) != len(ss) - 1 or not shape_eq(vs[:-1], ss[:-2]):
+        return None
+    negated_node = stacked.second if transposed else stacked.first
+    neg_in = negated(negated_node)
+    if neg_in is None:
+        return None
+    if transposed:
+        odd, even = pair_lane(stacked.first), pair_lane(neg_in)
+    else:
+        odd, even = pair_lane(neg_in), pair_lane(stacked.second)
+    if odd and even and odd.source is even.source and odd.lane == 1 and even.lane == 0:
+        nodes = [view, negated_node, *stacked.nodes, *odd.nodes, *even.nodes]
+        return Rotation(odd.source, "interleave", list(dict.fromkeys(nodes)))
+    return None
+
+
+class Placed(NamedTuple):
+    """``value`` written into zeros at a last-dim slice (autograd's backward of a slice)."""
+
+    value: Node
+    start: int
+    end: int
+    step: int
+    nodes: list
+
+
+def _is_zeros(node) -> bool:
+    return is_call(node, aten.zeros.default) or (is_call(node, aten.full.default) and node.args[1] == 0)
+
+
+def placed(node) -> Optional[Placed]:
+    if is_call(node, aten.slice_backward.default):
+        value, _, dim, start, end, step = node.args
+        nodes = [node]
+    elif is_call(node, aten.slice_scatter.default) and _is_zeros(node.args[0]):
+        value = node.args[1]
+        dim, start, end, step = slice_scatter_args(node)
+        nodes = [node, node.args[0]]
+    else:
+        return None
+    size = static_int(val(node).shape[-1])
+    start, end, step = static_int(start), static_int(end), static_int(step)
+    if not _is_last_dim(dim, node) or None in (start, end, step, size):
+        return None
+    return Placed(value, _python_index(start, size), _python_index(end, size), step, nodes)
+
+
+def match_rotation_transpose(node) -> Optional[Rotation]:
+    """R^T(y) rooted at node, as autograd writes it; Rotation.source is y."""
+    if not rank(node):  # not a tensor node, or 0-d
+        return None
+    parts = last_dim_cat(node)
+    if parts is not None and len(parts) == 2:  # backward of split + cat
+        first, second = parts
+        neg_in = negated(second)
+        if neg_in is None:
+            return None
+        hi, lo = last_dim_piece(first), last_dim_piece(neg_in)
+        size = static_int(val(node).shape[-1])
+        if hi and lo and hi.source is lo.source and lo.start == 0 and hi.start == lo.end and \
+                size is not None and hi.end == size == 2 * lo.end:
+            return Rotation(hi.source, "half", [node, second, *hi.nodes, *lo.nodes])
+        return None
+    if is_call(node, aten.add.Tensor) and len(node.args) == 2 and node.kwargs.get("alpha", 1) == 1:
+        size = static_int(val(node).shape[-1])
+        if size is None:
+            return None
+        for a, b in (node.args, node.args[::-1]):
+            pa, pb = placed(a), placed(b)
+            if not (pa and pb):
+                continue
+            neg_in = negated(pa.value)
+            if neg_in is None:
+                continue
+            half = size // 2
+            if (pa.start, pa.end, pa.step) == (half, size, 1) and (pb.start, pb.end, pb.step) == (0, half, 1) \
+                    and size % 2 == 0:
+                hi, lo = last_dim_piece(pb.value), last_dim_piece(neg_in)
+                if hi and lo and hi.source is lo.source and (lo.start, lo.end, hi.start, hi.end) == (0, half, half, size):
+                    return Rotation(hi.source, "half", [node, pa.value, *pa.nodes, *pb.nodes, *hi.nodes, *lo.nodes])
+            if pa.start == 1 and pb.start == 0 and pa.step == pb.step == 2:
+                even, odd = pair_lane(neg_in), pair_lane(pb.value)
+                if even and odd and even.source is odd.source and even.lane == 0 and odd.lane == 1:
+                    nodes = [node, pa.value, *pa.nodes, *pb.nodes, *even.nodes, *odd.nodes]
+                    return Rotation(even.source, "interleave", list(dict.fromkeys(nodes)))
+        return None
+    if is_call(node, *VIEWS):  # backward of unbind + stack
+        return interleaved_pairs(node, transposed=True)
+    return None
+
+
+@dataclasses.dataclass
+class RopeSite:
+    """``x * cos + R(x) * sin`` found at an add: its inputs and the nodes computing it."""
+
+    x: Node
+    cos: Node
+    sin: Node
+    rotation: Rotation
+    terms: list  # the two multiplies
+
+    @property
+    def nodes(self) -> list:
+        return list(dict.fromkeys([*self.terms, *self.rotation.nodes]))
+
+
+def match_rope_site(add: Node) -> Optional[RopeSite]:
+    """The forward RoPE rooted at add (operands of the add and of each mul in any order).
+    Raises NotFused for the pattern with a broken rule."""
+    if not is_call(add, aten.add.Tensor) or add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
+        return None
+    terms = add.args
+    if not all(is_call(t, aten.mul.Tensor) and all(isinstance(a, Node) for a in t.args[:2]) for t in terms):
+        return None
+    reason = None
+    for cos_term, sin_term in (terms, terms[::-1]):
+        for i in (0, 1):
+            try:
+                rot = match_rotation(sin_term.args[i])
+            except NotFused as miss:
+                reason = reason or str(miss)
+                continue
+            if rot is None:
+                continue
+            for j in (0, 1):
+                if cos_term.args[j] is rot.source:
+                    return RopeSite(rot.source, cos_term.args[1 - j], sin_term.args[1 - i], rot,
+                                    [cos_term, sin_term])
+            reason = reason or (
+                f"the tensor multiplied by cos ({cos_term.args[0].name} or {cos_term.args[1].name}) "
+                f"is not the rotated tensor {rot.source.name}")
+    if reason:
+        raise NotFused(reason)
+    return None
+
+
+# -- normalisation and projections ------------------------------------------------------------
+def binary_operands(node, target) -> Optional[tuple]:
+    """(a, b) when node is ``target(a, b)`` with no other arguments."""
+    return tuple(node.args[:2]) if is_call(node, target) and len(node.args) == 2 and not node.kwargs else None
+
+
+@dataclasses.dataclass
+class RmsNorm:
+    """``x * rsqrt(mean(x^2, -1, keepdim) + eps) * gamma [+ beta]``, with the casts around it."""
+
+    x: Node
+    gamma: Node
+    beta: Optional[Node]
+    eps: Any  # a float, or a node when dynamo made it a graph input
+    nodes: list
+
+
+def match_rms_norm(node) -> Optional[RmsNorm]:
+    out, nodes = uncast(node)
+    nodes, beta = list(nodes), None
+    added = binary_operands(out, aten.add.Tensor)
+    if added is not None:
+        for a, b in (added, added[::-1]):
+            b_root = uncast(b)
+            if isinstance(b_root.node, Node) and rank(b_root.node) == 1:
+                beta, nodes = b_root.node, [*nodes, out, *b_root.casts]
+                out = a
+                break
+        else:
+            return None
+    out, casts = uncast(out)
+    nodes += casts
+    product = binary_operands(out, aten.mul.Tensor)
+    if product is None:
+        return None
+    for gamma_side, normed_side in (product, product[::-1]):
+        gamma, normed = uncast(gamma_side), uncast(normed_side)
+        if not (isinstance(gamma.node, Node) and rank(gamma.node) == 1):
+            continue
+        found = _normalized(normed.node)
+        if found is not None:
+            return RmsNorm(found.x, gamma.node, beta, found.eps,
+                           [*nodes, out, *gamma.casts, *normed.casts, *found.nodes])
+    return None
+
+
+class _Normalized(NamedTuple):
+    x: Node
+    eps: Any
+    nodes: list
+
+
+def _normalized(node) -> Optional[_Normalized]:
+    """xf * rsqrt(mean(xf^2, -1, keepdim=True) + eps), xf = float(x): a per-row RMS over the last dim."""
+    product = binary_operands(node, aten.mul.Tensor)
+    if product is None:
+        return None
+    for xf, scale in (product, product[::-1]):
+        if not is_call(scale, aten.rsqrt.default):
+            continue
+        total = binary_operands(scale.args[0], aten.add.Tensor)
+        if total is None or not is_call(total[0], aten.mean.dim):
+            continue
+        mean = total[0]
+        square = mean.args[0]
+        if not (is_call(square, aten.pow.Tensor_Scalar) and square.args[1] == 2 and square.args[0] is xf):
+            continue
+        dims = list(mean.args[1]) if len(mean.args) > 1 else mean.kwargs.get("dim")
+        keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+        if not (keepdim and dims is not None and len(dims) == 1 and _is_last_dim(dims[0], square)):
+            continue
+        x, casts = uncast(xf)
+        return _Normalized(x, total[1], [node, scale, scale.args[0], mean, square, *casts])
+    return None
+
+
+def transposed(node) -> Optional[Node]:
+    """w for ``w.t()`` (``t``, or ``permute(w, [1, 0])`` after inductor's decompositions)."""
+    if is_call(node, aten.t.default) or (is_call(node, aten.permute.default) and list(node.args[1]) == [1, 0]):
+        return node.args[0]
+    return None
+
+
+@dataclasses.dataclass
+class Quantize:
+    """``int8(clamp(round(y / scale + offset), -128, 127))``: static per-tensor asymmetric quant."""
+
+    y: Node
+    scale: Node
+    offset: Node
+    nodes: list
+
+
+def _int8_clamped(node) -> Optional[Stripped]:
+    """clamp(inner, -128, 127), or clamp_max(clamp_min(inner, -128), 127)."""
+    if is_call(node, aten.clamp.default) and tuple(node.args[1:3]) == (-128, 127):
+        return Stripped(node.args[0], [node])
+    if is_call(node, aten.clamp_max.default) and node.args[1] == 127 and \
+            is_call(node.args[0], aten.clamp_min.default) and node.args[0].args[1] == -128:
+        return Stripped(node.args[0].args[0], [node, node.args[0]])
+    return None
+
+
+def match_quantize(node) -> Optional[Quantize]:
+    clamp, casts = uncast(node)
+    clamped = _int8_clamped(clamp)
+    if not (casts and val(node).dtype == torch.int8 and clamped and is_call(clamped.node, aten.round.default)):
+        return None
+    rounded = clamped.node
+    shifted = binary_operands(rounded.args[0], aten.add.Tensor)
+    divided = binary_operands(shifted[0], aten.div.Tensor) if shifted else None
+    if divided is None:
+        return None
+    offset, scale, y = uncast(shifted[1]), uncast(divided[1]), uncast(divided[0])
+    return Quantize(y.node, scale.node, offset.node,
+                    [*casts, *clamped.casts, rounded, rounded.args[0], shifted[0], *offset.casts, *scale.casts,
+                     *y.casts])
+
+
+@dataclasses.dataclass
+class QuantLinear:
+    """The w8a8 parts of a projection: the activation's quantize and the int32 bias + dequant scale."""
+
+    quantize: Quantize
+    bias: Node
+    descale: Node
+
+
+@dataclasses.dataclass
+class Linear:
+    """``x @ w^T``, or the w8a8 form ``dequant(int_mm(quant(x), w^T) + bias)``."""
+
+    x: Node
+    w: Node  # [out, in]
+    quant: Optional[QuantLinear]
+    nodes: list
+
+
+def match_linear(node) -> Optional[Linear]:
+    out, casts = uncast(node)
+    if is_call(out, aten.mm.default) and transposed(out.args[1]) is not None:
+        return Linear(out.args[0], transposed(out.args[1]), None, [*casts, out, out.args[1]])
+    scaled = binary_operands(out, aten.mul.Tensor)
+    if scaled is None:
+        return None
+    for acc_side, descale in (scaled, scaled[::-1]):
+        acc = uncast(acc_side)
+        biased = binary_operands(acc.node, aten.add.Tensor)
+        if biased is None or not is_call(biased[0], aten._int_mm.default):
+            continue
+        int_mm, bias = biased
+        weight = transposed(int_mm.args[1])
+        quant = match_quantize(int_mm.args[0])
+        if weight is None or quant is None:
+            return None
+        return Linear(quant.y, weight, QuantLinear(quant, bias, descale),
+                      [*casts, out, *acc.casts, acc.node, int_mm, int_mm.args[1], *quant.nodes])
+    return None
+
+
+# -- layout ---------------------------------------------------------------------------------------
+def swaps_last_two(node) -> bool:
+    """x.transpose(-1, -2) (``permute`` swapping the last two dims after inductor's decompositions)."""
+    n = rank(node)
+    if not n or n < 2:
+        return False
+    if is_call(node, aten.transpose.int):
+        return {node.args[1] % n, node.args[2] % n} == {n - 1, n - 2}
+    return is_call(node, aten.permute.default) and list(node.args[1]) == [*range(n - 2), n - 1, n - 2]
+
+
+def swaps_01(node) -> bool:
+    """x.transpose(0, 1) of a 3-D x (``permute(x, [1, 0, 2])`` after inductor's decompositions)."""
+    if rank(node) != 3:
+        return False
+    if is_call(node, aten.transpose.int):
+        return sorted(d % 3 for d in node.args[1:3]) == [0, 1]
+    return is_call(node, aten.permute.default) and list(node.args[1]) == [1, 0, 2]
+
+
+class Deinterleave(NamedTuple):
+    """``x.view(..., D/2, 2).transpose(-1, -2).reshape(..., D)``: the pairs (2k, 2k+1) of x put
+    in half layout (all even positions, then all odd), as DeepSeek's reference RoPE does."""
+
+    source: Node
+    nodes: list
+
+
+def deinterleaved(node) -> Optional[Deinterleave]:
+    if not is_call(node, *VIEWS):
+        return None
+    inner, nodes = node.args[0], [node]
+    if is_call(inner, aten.clone.default):
+        nodes.append(inner)
+        inner = inner.args[0]
+    if not swaps_last_two(inner):
+        return None
+    pairs = inner.args[0]
+    if not (is_call(pairs, *VIEWS) and size_eq(val(pairs).shape[-1], 2)):
+        return None
+    source = pairs.args[0]
+    if not (shape_eq(val(source).shape, val(node).shape)
+            and shape_eq(val(pairs).shape[:-1], [*val(source).shape[:-1], val(source).shape[-1] // 2])):
+        return None
+    return Deinterleave(source, [*nodes, inner, pairs])

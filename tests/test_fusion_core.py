@@ -1,0 +1,137 @@
+"""The fusion core: canonicalization, pass order, and the per-op checks of every rewrite."""
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import npu_fuse_backend as nf
+from conftest import assert_close, compile_fused, fused_ops, near_miss_reasons
+from npu_fuse_backend import fusion
+from npu_fuse_backend.canonicalize import canonicalize
+from npu_fuse_backend.lowering import registry
+
+aten = torch.ops.aten
+
+
+def rope(q, cos, sin):
+    return q * cos + torch.cat((-q[..., 8:], q[..., :8]), -1) * sin
+
+
+def rope_args():
+    return torch.randn(2, 3, 4, 16), torch.randn(1, 3, 1, 16), torch.randn(1, 3, 1, 16)
+
+
+def targets(gm) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+# -- canonicalization ---------------------------------------------------------------------
+def test_noop_slices_views_and_casts_are_removed_but_real_ones_stay():
+    def fn(x):
+        a = x[:, :, :]                          # no-op slice
+        b = a.view(x.shape).to(torch.float32)   # no-op view, no-op cast (x is fp32)
+        c = b[..., :4]                          # a real slice
+        return (c.reshape(2, 3, 4) * 2).to(torch.float16)  # no-op reshape, real cast
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(2, 3, 8))
+    x = torch.randn(2, 3, 8)
+    expected = fn(x)
+    removed = canonicalize(gm.graph)
+    gm.recompile()
+    assert removed >= 2
+    remaining = targets(gm)
+    assert remaining.count(aten.slice.Tensor) == 1  # the real slice
+    assert aten._to_copy.default in remaining        # the real cast
+    torch.testing.assert_close(gm(x), expected)
+
+
+def test_duplicate_views_of_one_tensor_become_one_node():
+    def fn(x):
+        return x[..., :4] * 2 + x[..., :4].exp()
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(3, 8))
+    assert targets(gm).count(aten.slice.Tensor) == 2
+    canonicalize(gm.graph)
+    gm.recompile()
+    assert targets(gm).count(aten.slice.Tensor) == 1
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(gm(x), fn(x))
+
+
+def test_a_graph_output_is_never_canonicalized_away():
+    def fn(x):
+        return x[:, :], x.view(x.shape) * 2
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(3, 8))
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    kept = output.args[0][0]
+    canonicalize(gm.graph)
+    assert kept.graph is gm.graph and output.args[0][0] is kept
+
+
+def test_clone_that_changes_strides_stays():
+    def fn(x):
+        return x.transpose(0, 1).clone(memory_format=torch.contiguous_format).view(-1) + 1
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(3, 8))
+    canonicalize(gm.graph)
+    gm.recompile()
+    assert aten.clone.default in targets(gm)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(gm(x), fn(x))
+
+
+# -- pass order ---------------------------------------------------------------------------------
+def _pass(name, before=()):
+    return type(name, (fusion.FusionPass,), {"name": name, "family": name, "runs_before": before})
+
+
+def test_passes_run_in_the_order_their_runs_before_declares():
+    order = fusion.ordered({"b": _pass("b"), "a": _pass("a", ("c",)), "c": _pass("c", ("b",))})
+    assert [cls.name for cls in order] == ["a", "c", "b"]
+
+
+def test_the_real_passes_put_the_larger_subgraphs_first():
+    names = [cls.name for cls in fusion.ordered(fusion.registered_fusions())]
+    assert names.index("mla_preprocess") < names.index("partial_rope") < names.index("rope")
+
+
+def test_cyclic_order_is_an_error_naming_the_passes():
+    with pytest.raises(ValueError, match="cyclic runs_before"):
+        fusion.ordered({"a": _pass("a", ("b",)), "b": _pass("b", ("a",))})
+
+
+# -- the checks every rewrite goes through ------------------------------------------------------
+def test_a_soc_limit_of_the_fused_op_turns_the_rewrite_into_a_near_miss(monkeypatch):
+    seen = []
+
+    def limit(soc, x, r1, r2, rotary_mode="half"):
+        seen.append((soc, tuple(x.shape), rotary_mode))
+        return "head dim 16 is below this test's limit"
+
+    monkeypatch.setitem(registry.SOC_LIMITS, torch.ops.npu_fuse.rotary_mul.default, limit)
+    args = rope_args()
+    out, reports = compile_fused(rope, *args, soc="Ascend910B")
+    assert fused_ops(reports) == []
+    assert near_miss_reasons(reports) == ["rotary_mul on Ascend910B: head dim 16 is below this test's limit"]
+    assert seen == [("Ascend910B", (2, 3, 4, 16), "half")]  # called with the fake arguments of the call
+    assert_close(out, rope(*args))
+
+
+def test_an_op_the_lowering_cannot_take_is_a_near_miss_and_the_graph_is_untouched():
+    gm = make_fx(rope, tracing_mode="fake")(*rope_args())
+    canonicalize(gm.graph)
+    before = str(gm.graph)
+    report = nf.run_fusion_passes(gm, "torchair", unsupported_ops={"rotary_mul": "the installed CANN lacks RotaryMul"})
+    assert report.matches == [] and [n.reason for n in report.near_misses] == ["the installed CANN lacks RotaryMul"]
+    assert str(gm.graph) == before
+
+
+def test_negative_slice_bounds_are_read_as_python_reads_them():
+    def fn(q, cos, sin):  # cat(-x[..., -D/2:], x[..., :-D/2])
+        return q * cos + torch.cat((-q[..., -8:], q[..., :-8]), -1) * sin
+
+    args = rope_args()
+    out, reports = compile_fused(fn, *args)
+    assert fused_ops(reports) == ["rotary_mul"]
+    assert_close(out, fn(*args))
