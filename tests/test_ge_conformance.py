@@ -124,7 +124,7 @@ def test_control_edges_and_unknown_dtypes_are_not_data_inputs(pb):
     assert {v.rule for v in check_node(op, "Ascend910B", ir_table(), producers={"src_x": "Data"})} == {"dtype", "dtype-combo"}
 
 
-def test_input_copies_finds_tensor_moves_of_graph_inputs(pb):
+def test_input_copies_finds_tensor_moves_of_mutated_graph_inputs(pb):
     from ge_conformance import input_copies
 
     graph = pb.GraphDef()
@@ -133,3 +133,6 @@ def test_input_copies_finds_tensor_moves_of_graph_inputs(pb):
     graph.op.add(name="copy_x", type="TensorMove", input=["x:0"])
     graph.op.add(name="copy_y", type="TensorMove", input=["y:0"])
     assert input_copies(graph) == ["copy_x"]
+    graph.op.add(name="z", type="Data")
+    graph.op.add(name="copy_z", type="TensorMove", input=["z:0"])
+    assert input_copies(graph, mutated_inputs=("z",)) == ["copy_z"]
