@@ -129,7 +129,8 @@ class ConvertedGraph:
 def ge_graphs_of(fn, *args, dynamic=False, fusion=True, config=None):
     """Compile fn through AOTAutograd and torchair's compiler with the npu_fuse lowering's pre-pass
     (the fusion passes, version tolerance, re-inplacing), run it eagerly, and return the GE
-    GraphDefs after torchair's GE passes (fw, then bw if any), built but never loaded."""
+    GraphDefs after torchair's GE passes (fw, then bw if any), built but never loaded. A graph
+    with an op type the proxy does not know fails, as GE would fail it."""
     import torch
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
@@ -152,6 +153,9 @@ def ge_graphs_of(fn, *args, dynamic=False, fusion=True, config=None):
         mutated = [n.args[0].name for n in gm.graph.nodes  # AOTAutograd's epilogue writes them back
                    if n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder"]
         proto = to_ge(gm, inputs).runner.graph._proto  # the passes run on torchair's copy of gm
+        unknown = sorted({op.type for op in proto.op if known_ir(op.type) is None})
+        if unknown:  # raw builders never ask the registry; GE would refuse the graph
+            raise RuntimeError(f"GE op types not registered in the installed CANN: {unknown}")
         graphs.append(ConvertedGraph(proto, tuple(mutated)))
         return make_boxed_func(gm.forward)
 
