@@ -145,7 +145,8 @@ def rope_soc_limits(soc: str, x: Tensor, tables, rotary_mode: str) -> Optional[s
     shapes = " / ".join(str(list(t.shape)) for t in tables)
     if soc in A2_A3:
         if head_dim is None or head_dim >= A2_A3_MAX_HEAD_DIM:
-            return f"head dim {x.shape[-1]} must be static and < {A2_A3_MAX_HEAD_DIM} (RotaryMul/RotaryPositionEmbedding)"
+            return (f"head dim {x.shape[-1]} must be static and < {A2_A3_MAX_HEAD_DIM} "
+                    "(RotaryMul/RotaryPositionEmbedding)")
         for x_layout, per_mode in A2_A3_TABLE_LAYOUTS.items():
             if all(any(fits_layout(t.shape, x.shape, lay) for lay in per_mode[rotary_mode]) for t in tables):
                 b, n = (static_int(x.shape[x_layout.index(c)]) for c in "BN")
