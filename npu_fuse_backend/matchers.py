@@ -793,3 +793,69 @@ def match_rope_grad_site(add: Node) -> Optional[RopeSite]:
                                 [cos_term, rt_node, sin_term])
         raise NotFused("the gradient multiplied by cos is not the one multiplied by sin")
     return None
+
+
+# -- layout-only ops ----------------------------------------------------------------------------
+FRESH_BUFFERS = (aten.empty.memory_format, aten.new_empty.default, aten.new_empty_strided.default,
+                 aten.empty_like.default, aten.empty_strided.default)
+
+
+class LayoutPath(NamedTuple):
+    """``node`` computed from ``source`` by ops that only lay the same values out anew
+    (row-major order kept): its value is ``source.reshape(node's shape)``."""
+
+    source: Any
+    nodes: list  # the layout ops, and the fresh buffers values were copied into
+
+
+def copied_into_fresh_buffer(node) -> Optional[Node]:
+    """src for ``copy(empty(...), src)`` of src's shape and dtype (``x.new_empty(...).copy_(src)``
+    after functionalization)."""
+    if not (is_call(node, aten.copy.default) and is_call(node.args[0], *FRESH_BUFFERS) and len(node.args) == 2):
+        return None
+    src = node.args[1]
+    if not (isinstance(src, Node) and shape_eq(val(node).shape, val(src).shape) and val(node).dtype == val(src).dtype):
+        return None
+    return src
+
+
+def through_layout(node) -> LayoutPath:
+    """Walk back from node over view/reshape/_unsafe_view, clone and copies into fresh buffers.
+    Each keeps the values in row-major order, so a replacement computing ``source`` gives node's
+    value as a view of its contiguous result."""
+    nodes = []
+    while True:
+        if is_call(node, *VIEWS, aten.clone.default) and isinstance(node.args[0], Node):
+            if is_call(node, aten.clone.default) and set(node.kwargs) - {"memory_format"}:
+                break
+            nodes.append(node)
+            node = node.args[0]
+            continue
+        src = copied_into_fresh_buffer(node)
+        if src is None:
+            break
+        nodes += [node, node.args[0]]
+        node = src
+    return LayoutPath(node, nodes)
+
+
+def scalar_like(node) -> Any:
+    """The one-element tensor (or number) behind ``expand``/views of it, else node itself."""
+    while is_call(node, aten.expand.default, *VIEWS) and isinstance(node.args[0], Node) \
+            and val(node.args[0]).numel() == 1:
+        node = node.args[0]
+    return node
+
+
+def written_back(node: Node, layout: LayoutPath) -> list:
+    """``copy(dst, node)`` users whose dst is one of layout's nodes and has node's shape, dtype and
+    strides: each equals node's value (the functional form of an in-place op on a view,
+    ``scores /= s``)."""
+    copies = []
+    for user in node.users:
+        if is_call(user, aten.copy.default) and user.args[1] is node and user.args[0] in layout.nodes:
+            dst, value = val(user.args[0]), val(node)
+            if shape_eq(dst.shape, value.shape) and shape_eq(dst.stride(), value.stride()) \
+                    and dst.dtype == value.dtype:
+                copies.append(user)
+    return copies
