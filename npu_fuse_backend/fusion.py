@@ -32,7 +32,7 @@ from torch.fx import Graph, GraphModule, Node
 from . import config
 from .canonicalize import canonicalize
 from .lowering.registry import SOC_LIMITS
-from .report import GraphReport, Match, NearMiss, new_report, publish
+from .report import GraphReport, Match, NearMiss, graph_frame, involved, log_graph, new_report, publish, where
 from .soc import resolve_soc
 
 log = logging.getLogger("npu_fuse")
@@ -261,7 +261,8 @@ class PassManager:
     def __call__(self, gm: GraphModule, lowering: str = "", unsupported_ops: Optional[dict] = None) -> GraphReport:
         start = time.perf_counter()
         graph = gm.graph
-        report = new_report(graph_kind(graph), lowering, len(graph.nodes))
+        report = new_report(graph_kind(graph), lowering, len(graph.nodes), frame=graph_frame(graph))
+        log_graph("before", gm, report)
         fake_mode = _fake_mode_of(graph)
         if fake_mode is None:
             report.errors.append("graph has no fake-tensor metadata; nothing fused")
@@ -275,6 +276,7 @@ class PassManager:
                 graph.lint()
                 gm.recompile()
         report.pass_seconds = time.perf_counter() - start
+        log_graph("after", gm, report)
         publish(report)
         return report
 
@@ -314,7 +316,7 @@ class PassManager:
                     continue
                 claimed.update(subgraph)
                 matches.append(Match(fusion.family, rewrite.op, rewrite.anchor.name,
-                                     tuple(n.name for n in subgraph), rewrite.detail))
+                                     tuple(n.name for n in subgraph), rewrite.detail, **where(subgraph)))
             _erase_dead(ctx.graph, claimed)
         except Exception as exc:  # a pass must never break the user's compile
             journal.rollback()
@@ -339,7 +341,7 @@ class PassManager:
 
     @staticmethod
     def _near_miss(fusion: FusionPass, anchor: Node, reason: str) -> NearMiss:
-        return NearMiss(fusion.family, anchor.name, reason)
+        return NearMiss(fusion.family, anchor.name, reason, **where([anchor]), nodes=involved(anchor))
 
     @staticmethod
     def _fail(what: str, exc: Exception, report: GraphReport) -> None:
