@@ -215,7 +215,7 @@ def print_explanation(reports: list, out=None) -> None:
         if not records and not report.errors:
             print("  nothing that looks like a fused op's pattern", file=out)
         for module, group in by_module(records).items():
-            print(f"  {module or '(no module)'}", file=out)
+            print(f"  {module or '(top level)'}", file=out)
             for r in group:
                 if hasattr(r, "op"):
                     head = f"fused     {r.op} ({r.family}{', ' + r.detail if r.detail else ''})"

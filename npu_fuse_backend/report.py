@@ -89,7 +89,7 @@ class GraphReport:
             f"passes took {self.pass_seconds * 1e3:.2f} ms"
         ]
         for module, records in by_module([*self.matches, *self.near_misses]).items():
-            lines.append(f"  {module or '(no module)'}:")
+            lines.append(f"  {module or '(top level)'}:")
             for r in records:
                 at = f"{r.anchor}{' ' + r.source if r.source else ''}"
                 if isinstance(r, Match):
