@@ -228,19 +228,19 @@ def print_explanation(reports: list, out=None) -> None:
 
 def explain(target: str, argv: list, training: bool, as_json: bool, out=None) -> int:
     out = out or sys.stdout
-    import npu_fuse_backend as nf
+    from .report import collect
 
-    nf.clear_reports()
-    if target.endswith(".py") or os.path.isfile(target):
-        if not os.path.isfile(target):
-            raise SystemExit(f"npu-fuse explain: no such script: {target}")
-        _run_script(target, argv)
-    elif ":" in target:
-        _run_factory(target, training)
-    else:
+    is_script = target.endswith(".py") or os.path.isfile(target)
+    if is_script and not os.path.isfile(target):
+        raise SystemExit(f"npu-fuse explain: no such script: {target}")
+    if not is_script and ":" not in target:
         raise SystemExit(f"npu-fuse explain: TARGET must be a script (path/to/script.py) or module:callable, "
                          f"got {target!r}")
-    reports = nf.get_reports()
+    with collect() as reports:  # kept even if the script resets Dynamo between compiles
+        if is_script:
+            _run_script(target, argv)
+        else:
+            _run_factory(target, training)
     if as_json:
         json.dump({"target": target, "graphs": explain_records(reports)}, out, indent=2)
         print(file=out)

@@ -15,11 +15,12 @@ near-miss); ``TORCH_LOGS="npu_fuse_graphs"`` logs each graph before and after th
 """
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
 import re
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 from torch._dynamo.utils import counters
@@ -182,6 +183,7 @@ def log_graph(when: str, gm: GraphModule, report: "GraphReport") -> None:
 
 _reports: collections.deque = collections.deque()
 _graph_ids = itertools.count()
+_collectors: list = []
 
 
 def new_report(kind: str, lowering: str, node_count: int, frame: str = "") -> GraphReport:
@@ -191,6 +193,8 @@ def new_report(kind: str, lowering: str, node_count: int, frame: str = "") -> Gr
 def publish(report: GraphReport) -> None:
     """Store a finished report, bump the counters and log it."""
     _reports.append(report)
+    for collected in _collectors:
+        collected.append(report)
     while len(_reports) > config.max_reports:
         _reports.popleft()
     for match in report.matches:
@@ -201,6 +205,18 @@ def publish(report: GraphReport) -> None:
         for miss in report.near_misses:
             log.debug("near-miss (%s) at %s %s: %s; nodes:\n  %s", miss.family, miss.anchor, miss.source, miss.reason,
                       "\n  ".join(miss.nodes))
+
+
+@contextlib.contextmanager
+def collect() -> Iterator[list]:
+    """Every report published inside the block, in order, whatever resets happen meanwhile
+    (``npu-fuse explain`` runs user scripts that may call ``torch.compiler.reset()``)."""
+    collected: list = []
+    _collectors.append(collected)
+    try:
+        yield collected
+    finally:
+        _collectors.remove(collected)
 
 
 def get_reports() -> list[GraphReport]:

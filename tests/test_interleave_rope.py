@@ -303,3 +303,15 @@ def test_converter_ascend950_emits_rotary_position_embedding_mode_3_forward_and_
     grads = [op for op in bw.op if op.type == "RotaryPositionEmbeddingGrad"]
     assert len(grads) == 2 and all(op.attr["mode"].i == 3 for op in grads)
     assert all([d.name for d in op.input_desc] == ["dy", "cos", "sin", "x"] for op in grads)
+
+
+def test_inductor_lowers_the_fused_op_through_its_decomposition():
+    """The one inductor compile here: the op and the glue around it (cat of the half tables,
+    unsqueezes) lower through inductor, with eager numerics."""
+    q, k, cos, sin = qk_inputs()
+    with torch.no_grad():
+        (oq, ok), reports = compile_fused(hf5_interleave, q, k, cos, sin, fallback="inductor")
+        eq, ek = hf5_interleave(q, k, cos, sin)
+    assert fused_ops(reports) == ["interleave_rope", "interleave_rope"]
+    assert_close(oq, eq)
+    assert_close(ok, ek)

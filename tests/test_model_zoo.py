@@ -31,7 +31,8 @@ def test_training_step_fuses_every_site_with_eager_numerics(family):
     fused = {r.kind: dict(collections.Counter(m.op for m in r.matches)) for r in reports}
     assert fused == {"forward": family.expected("forward", 1), "backward": family.expected("backward", 1)}, \
         [r.summary() for r in reports]
-    assert not [n for r in reports for n in r.near_misses]
+    # (the MLA prologue pass may say why a training-style DeepSeek attention is not the serving prologue)
+    assert not [n for r in reports for n in r.near_misses if n.family != "mla_preprocess"]
     for g, e in zip(got, expected):
         assert_close(g, e)
     attention = [m.module for r in reports for m in r.matches]

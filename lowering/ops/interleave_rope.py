@@ -14,6 +14,7 @@ GE: ``InterleaveRope`` on Atlas A2/A3 (float16/bfloat16, D = 64, inference kerne
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..registry import decomposition, npu_kernel, soc_limits
 from ..rope_math import compute_dtype, rotate
@@ -125,8 +126,8 @@ interleave_rope.register_autograd(_backward, setup_context=_setup_context)
 
 # -- what the NPU kernels take, per SoC (checked on every call a fusion inserts) ------------
 def _same(a, b) -> bool:
-    return bool(a == b) if isinstance(a, int) and isinstance(b, int) else \
-        torch.fx.experimental.symbolic_shapes.statically_known_true(a == b)
+    """Known equal, without adding a guard on a symbolic size."""
+    return bool(a == b) if isinstance(a, int) and isinstance(b, int) else statically_known_true(a == b)
 
 
 # Ascend950's RotaryPositionEmbedding reads x as (B, S, N, D); the cos/sin layouts it takes,
@@ -160,7 +161,7 @@ def interleave_rope_limits(soc: str, x: Tensor, cos: Tensor, sin: Tensor, op: st
                     f"{tuple(x.shape)}, got {tuple(cos.shape)}")
         return None
     if soc == ASCEND950:
-        if not _same(head_dim % 2, 0) or not head_dim <= MAX_HEAD_DIM_950:
+        if head_dim % 2 or head_dim > MAX_HEAD_DIM_950:
             return f"RotaryPositionEmbedding needs an even head dim <= {MAX_HEAD_DIM_950}, got {head_dim}"
         layout = _layout(cos, x)
         if layout not in LAYOUTS_950:
