@@ -1,6 +1,8 @@
 """interleave_rope: the op, the fusion of DeepSeek's two written forms (forward and backward),
 the look-alikes that must not fuse, the per-SoC limits, and the GE converter."""
 
+import re
+
 import pytest
 import torch
 from torch.library import opcheck
@@ -131,7 +133,7 @@ def test_soc_limits(soc, dtype, x_shape, cos_shape, op, reason):
     if reason is None:
         assert got is None
     else:
-        assert got is not None and __import__("re").search(reason, got), got
+        assert got is not None and re.search(reason, got), got
 
 
 # -- the fusion ----------------------------------------------------------------------------------
