@@ -1,106 +1,302 @@
 """``npu-fuse``: the command line.
 
-``npu-fuse demo`` compiles the built-in small models with npu_fuse and prints what
-fused, the numerics against eager, and eager / inductor / npu_fuse latency.
+``npu-fuse demo`` compiles the built-in small models with npu_fuse and prints, row by row,
+what fused, whether the numerics match eager, and the latency of eager, of the fallback
+lowering alone (inductor by default) and of npu_fuse on it.
+``npu-fuse explain TARGET`` runs a user's script or model factory under the backend and
+prints, per site, what fused or why not, with the source line.
 """
 
 import argparse
 import collections
+import dataclasses
+import importlib
+import json
+import linecache
+import os
+import runpy
 import sys
+from typing import Callable
 
 import torch
 
-from .timing import median_ms
+from . import __version__
+from .timing import interleaved_latency
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# |fused - eager| <= atol + rtol * |eager|: the fused ops compute fp16/bf16 in fp32 and round once
+TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (1e-2, 1e-2), torch.bfloat16: (5e-2, 5e-2)}
 
 
-def _time_ms(fn, args, repeat: int) -> float:
+# -- demo ----------------------------------------------------------------------------------------
+def _float_tensors(values) -> list:
+    return [v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
+
+
+def _within(got: list, expected: list, dtype: torch.dtype) -> tuple[float, bool]:
+    """(max |diff|, every pair within the dtype's tolerance)."""
+    atol, rtol = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
+    worst, ok = 0.0, True
+    for g, e in zip(got, expected):
+        diff = (g.float() - e.float()).abs()
+        worst = max(worst, diff.max().item())
+        ok &= bool((diff <= atol + rtol * e.float().abs()).all())
+    return worst, ok
+
+
+def _training_step(model) -> Callable:
+    """One training step's results: the output and every parameter's gradient."""
+    def step(*args):
+        model.zero_grad(set_to_none=True)
+        out = model(*args)
+        out.float().sum().backward()
+        return [out, *(p.grad for p in model.parameters() if p.grad is not None)]
+
+    return step
+
+
+def _results(fn, calls: list, training: bool) -> list:
+    if training:
+        return [t for args in calls for t in fn(*args)]
     with torch.no_grad():
-        fn(*args)  # warm-up (and compile)
-        return median_ms(fn, args, repeat)
+        return [fn(*args) for args in calls]
 
 
-def _max_diff(got: list, expected: list) -> float:
-    pairs = [(g, e) for g_args, e_args in zip(got, expected) for g, e in zip(g_args, e_args)
-             if isinstance(g, torch.Tensor) and g.is_floating_point()]
-    return max((g.float() - e.float()).abs().max().item() for g, e in pairs)
+WIDTHS = (26, 64, 11, 10, 8, 14, 14, 14)
 
 
-def run_demo(dtype: torch.dtype, repeat: int, layers: int, seq: int, out=sys.stdout) -> list:
+def _row(cells, out) -> None:
+    print("  ".join(str(c).ljust(w) for c, w in zip(cells, WIDTHS)).rstrip(), file=out, flush=True)
+
+
+def run_demo(dtype: torch.dtype, repeat: int, layers: int, seq: int, rounds: int = 5, out=None) -> list:
+    """Compile every demo case, print its row as soon as it is measured; returns the rows."""
+    out = out or sys.stdout
     import npu_fuse_backend as nf
+    from npu_fuse_backend import config
     from npu_fuse_backend.demo_models import clone_calls, demo_cases
 
+    baseline = config.fallback  # the same lowering without our passes
+    print(f"npu_fuse demo ({str(dtype).replace('torch.', '')}, CPU tensors: lowering = fallback {baseline}, "
+          f"torch {torch.__version__}; latency: median ±IQR/2 over {rounds} interleaved rounds of {repeat})",
+          file=out, flush=True)
+    _row(["model", "fused ops", "near-misses", "max |diff|", "verdict", "eager ms", f"{baseline} ms", "npu_fuse ms"],
+         out)
+    _row(["-" * w for w in WIDTHS], out)
     rows = []
-    for case in demo_cases(layers=layers, seq=seq):
+    for case in demo_cases(layers=layers, seq=seq, training=True):
         torch.manual_seed(0)
         case_dtype = case.dtype or dtype
-        model = case.make().to(case_dtype).eval()
+        model = case.make().to(case_dtype)
+        model.train(case.training)
         steps = case.inputs(case_dtype)  # one call, or a few decode steps sharing a cache
         eager_steps, fused_steps = clone_calls(steps), clone_calls(steps)
         torch._dynamo.reset()
         nf.clear_reports()
         fused = torch.compile(model, backend="npu_fuse")
-        with torch.no_grad():
-            expected = [(model(*args),) for args in eager_steps]
-            got = [(fused(*args),) for args in fused_steps]
+        run = _training_step if case.training else (lambda m: m)
+        expected = _results(run(model), eager_steps, case.training) + _float_tensors(eager_steps[-1])
+        got = _results(run(fused), fused_steps, case.training) + _float_tensors(fused_steps[-1])
         counts = collections.Counter()
-        near_misses = []
+        near_misses = 0
         for report in nf.get_reports():
             counts.update(report.fused_counts())
-            near_misses += report.near_misses
+            near_misses += len(report.near_misses)
+        worst, ok = _within(got, expected, case_dtype)
         torch._dynamo.reset()
-        inductor = torch.compile(model, backend="inductor")
+        plain = torch.compile(model, backend=baseline)
         last = clone_calls(steps[-1:])[0]
-        rows.append({
+        fns = {"eager": run(model), baseline: run(plain), "npu_fuse": run(fused)}
+        with torch.set_grad_enabled(case.training):
+            for fn in fns.values():
+                fn(*last)  # warm-up (and compile)
+            latency = interleaved_latency({k: (lambda f=f: f(*last)) for k, f in fns.items()}, rounds, repeat)
+        row = {
             "model": case.name + ("" if case_dtype == dtype else f" ({str(case_dtype).replace('torch.', '')})"),
             "fused": ", ".join(f"{op} x{n}" for op, n in sorted(counts.items())) or "-",
-            "near_misses": len(near_misses),
-            # outputs of every step, and every input the model mutates (the KV cache)
-            "max_abs_diff": _max_diff(got + fused_steps, expected + eager_steps),
-            "eager_ms": _time_ms(model, last, repeat),
-            "inductor_ms": _time_ms(inductor, last, repeat),
-            "npu_fuse_ms": _time_ms(fused, last, repeat),
-        })
-    _print_table(rows, dtype, out)
+            "near_misses": near_misses,
+            "max_abs_diff": worst,
+            "verdict": "ok" if ok else "MISMATCH",
+            **{f"{k}_ms": v.median for k, v in latency.items()},
+            **{f"{k}_spread_ms": v.spread for k, v in latency.items()},
+        }
+        rows.append(row)
+        _row([row["model"], row["fused"], row["near_misses"], f"{worst:.3g}", row["verdict"],
+              latency["eager"], latency[baseline], latency["npu_fuse"]], out)
     return rows
 
 
-def _print_table(rows: list, dtype: torch.dtype, out) -> None:
-    from npu_fuse_backend import config
-
-    print(f"npu_fuse demo ({dtype}, CPU tensors: lowering = fallback {config.fallback}, "
-          f"torch {torch.__version__})", file=out)
-    header = ("model", "fused ops", "near-misses", "max |diff| vs eager", "eager ms", "inductor ms",
-              "npu_fuse ms")
-    lines = [header] + [(r["model"], r["fused"], str(r["near_misses"]), f"{r['max_abs_diff']:.3g}",
-                         f"{r['eager_ms']:.2f}", f"{r['inductor_ms']:.2f}", f"{r['npu_fuse_ms']:.2f}")
-                        for r in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    for i, line in enumerate(lines):
-        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)), file=out)
-        if i == 0:
-            print("  ".join("-" * w for w in widths), file=out)
+# -- explain ---------------------------------------------------------------------------------------
+def _load_factory(target: str) -> Callable:
+    module_name, _, attr = target.partition(":")
+    sys.path.insert(0, os.getcwd())
+    module = importlib.import_module(module_name)
+    factory = module
+    for name in attr.split("."):
+        factory = getattr(factory, name)
+    return factory
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+def _run_factory(target: str, training: bool) -> None:
+    """``module:callable``: callable() returns (model, inputs), inputs a tuple of positional
+    arguments or a dict of keyword arguments; the model is compiled with npu_fuse and run once
+    (with ``training``: train mode, and a backward of the sum of its floating outputs)."""
+    made = _load_factory(target)()
+    if not (isinstance(made, (tuple, list)) and len(made) == 2 and callable(made[0])):
+        raise SystemExit(f"npu-fuse explain: {target} must return (model, inputs), got {type(made).__name__}")
+    model, inputs = made
+    args, kwargs = ((), dict(inputs)) if isinstance(inputs, dict) else (tuple(inputs), {})
+    if isinstance(model, torch.nn.Module):
+        model.train(training)
+    compiled = torch.compile(model, backend="npu_fuse")
+    with torch.set_grad_enabled(training):
+        out = compiled(*args, **kwargs)
+        if training:
+            leaves = [t for t in torch.utils._pytree.tree_leaves(out)
+                      if isinstance(t, torch.Tensor) and t.requires_grad]
+            if not leaves:
+                raise SystemExit("npu-fuse explain --training: the model's outputs do not require grad")
+            sum(t.float().sum() for t in leaves).backward()
+
+
+def _run_script(path: str, argv: list) -> None:
+    """Run a script as ``__main__`` with every ``torch.compile`` call using the npu_fuse backend."""
+    original = torch.compile
+
+    def compile_with_npu_fuse(model=None, *args, backend=None, **kwargs):
+        return original(model, *args, backend="npu_fuse", **kwargs)
+
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    torch.compile = compile_with_npu_fuse
+    try:
+        runpy.run_path(path, run_name="__main__")
+    finally:
+        torch.compile, sys.argv, sys.path[:] = original, saved_argv, saved_path
+
+
+def _code_at(source: str) -> str:
+    file, _, line = source.rpartition(":")
+    return linecache.getline(file, int(line)).strip() if line.isdigit() else ""
+
+
+def _short(source: str) -> str:
+    file, _, line = source.rpartition(":")
+    try:
+        rel = os.path.relpath(file)
+    except ValueError:
+        rel = file
+    return f"{rel if not rel.startswith('..') else file}:{line}" if source else "?"
+
+
+def explain_records(reports: list) -> list:
+    """The reports as JSON-ready dicts, each match and near-miss with its source line."""
+    graphs = []
+    for report in reports:
+        graph = dataclasses.asdict(report)
+        for key in ("matches", "near_misses"):
+            for record in graph[key]:
+                record["code"] = _code_at(record["source"])
+        graphs.append(graph)
+    return graphs
+
+
+def print_explanation(reports: list, out=None) -> None:
+    out = out or sys.stdout
+    from .report import by_module
+
+    fused = sum(len(r.matches) for r in reports)
+    missed = sum(len(r.near_misses) for r in reports)
+    print(f"npu_fuse explain: {len(reports)} graph(s), {fused} fused, {missed} not fused", file=out)
+    for report in reports:
+        print(f"\ngraph {report.graph_id}: {report.frame or '?'} ({report.kind}, lowering {report.lowering})", file=out)
+        records = [*report.matches, *report.near_misses]
+        if not records and not report.errors:
+            print("  nothing that looks like a fused op's pattern", file=out)
+        for module, group in by_module(records).items():
+            print(f"  {module or '(top level)'}", file=out)
+            for r in group:
+                if hasattr(r, "op"):
+                    head = f"fused     {r.op} ({r.family}{', ' + r.detail if r.detail else ''})"
+                else:
+                    head = f"not fused ({r.family}): {r.reason}"
+                print(f"    {head}\n      at {_short(r.source)}  {_code_at(r.source)}", file=out)
+        for error in report.errors:
+            print(f"  pass error: {error}", file=out)
+
+
+def explain(target: str, argv: list, training: bool, as_json: bool, out=None) -> int:
+    out = out or sys.stdout
+    from .report import collect
+
+    is_script = target.endswith(".py") or os.path.isfile(target)
+    if is_script and not os.path.isfile(target):
+        raise SystemExit(f"npu-fuse explain: no such script: {target}")
+    if not is_script and ":" not in target:
+        raise SystemExit(f"npu-fuse explain: TARGET must be a script (path/to/script.py) or module:callable, "
+                         f"got {target!r}")
+    with collect() as reports:  # kept even if the script resets Dynamo between compiles
+        if is_script:
+            _run_script(target, argv)
+        else:
+            _run_factory(target, training)
+    if as_json:
+        json.dump({"target": target, "graphs": explain_records(reports)}, out, indent=2)
+        print(file=out)
+    else:
+        print_explanation(reports, out)
+    return 0
+
+
+# -- arguments ----------------------------------------------------------------------------------------
+def _at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="npu-fuse", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"npu-fuse {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="compile the built-in models and print what fused")
     demo.add_argument("--dtype", choices=DTYPES, default="float32")
-    demo.add_argument("--repeat", type=int, default=20, help="timed runs per model (median shown)")
-    demo.add_argument("--layers", type=int, default=2)
-    demo.add_argument("--seq", type=int, default=128)
+    demo.add_argument("--repeat", type=_at_least(1), default=10, help="timed calls per round")
+    demo.add_argument("--rounds", type=_at_least(1), default=5, help="interleaved rounds (eager, inductor, npu_fuse)")
+    demo.add_argument("--layers", type=_at_least(1), default=2)
+    demo.add_argument("--seq", type=_at_least(1), default=128)
     demo.add_argument("--fallback", choices=("inductor", "aot_eager"), default=None,
                       help="lowering without an NPU (default: config.fallback)")
+    exp = sub.add_parser(
+        "explain", help="run a script or model factory under npu_fuse and say, per site, what fused or why not",
+        description="TARGET is a script (path/to/script.py, run as __main__ with every torch.compile using "
+                    "the npu_fuse backend; arguments after it are the script's) or module:callable, a factory "
+                    "returning (model, inputs) with inputs a tuple of positional arguments or a dict of keyword "
+                    "arguments, compiled with npu_fuse and called once.")
+    exp.add_argument("target", metavar="TARGET")
+    exp.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    exp.add_argument("--json", action="store_true", help="machine-readable output")
+    exp.add_argument("--training", action="store_true", help="module:callable only: a forward and backward step")
+    exp.add_argument("--fallback", choices=("inductor", "aot_eager"), default=None,
+                     help="lowering without an NPU (default: config.fallback)")
+    exp.add_argument("--soc", default=None, help="target SoC whose limits apply (default: config.soc)")
     args = parser.parse_args(argv)
     from npu_fuse_backend import config
 
     patches = {"fallback": args.fallback} if args.fallback else {}
+    if args.command == "explain" and args.soc:
+        patches["soc"] = args.soc
     with config.patch(**patches):
-        run_demo(DTYPES[args.dtype], args.repeat, args.layers, args.seq)
-    return 0
+        if args.command == "demo":
+            run_demo(DTYPES[args.dtype], args.repeat, args.layers, args.seq, args.rounds)
+            return 0
+        return explain(args.target, args.args, args.training, args.json)
 
 
 if __name__ == "__main__":

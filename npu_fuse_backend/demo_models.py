@@ -354,6 +354,7 @@ class DemoCase:
     make: Callable[[], nn.Module]
     inputs: Callable[[torch.dtype], list]  # argument tuples of the calls to make, in order
     dtype: Optional[torch.dtype] = None  # the dtype this model runs in, whatever the demo's
+    training: bool = False  # a training step (forward and backward) instead of inference
 
 
 def clone_calls(calls: list) -> list:
@@ -383,9 +384,10 @@ def _mla_decode_steps(cfg: MLAConfig, tokens: int = 4, steps: int = 3):
     return make
 
 
-def demo_cases(layers: int = 1, seq: int = 64) -> list:
-    """The models the demo compiles (later fusions add theirs here)."""
-    return [
+def demo_cases(layers: int = 1, seq: int = 64, training: bool = False) -> list:
+    """The models the demo compiles (later fusions add theirs here); ``training`` adds the
+    training-step cases (forward and backward)."""
+    cases = [
         DemoCase("llama-decoder", lambda: LlamaModel(DecoderConfig(layers=layers)),
                  _hidden_and_positions(seq=seq)),
         DemoCase("gptj-partial", lambda: GPTJModel(DecoderConfig(kv_heads=4, layers=layers, rotary_dim=32)),
@@ -395,3 +397,7 @@ def demo_cases(layers: int = 1, seq: int = 64) -> list:
         DemoCase("deepseek-mla-decode", lambda: DeepSeekMLA(MLAConfig()), _mla_decode_steps(MLAConfig()),
                  dtype=torch.bfloat16),
     ]
+    if training:  # RoPE backward and softmax backward
+        cases.insert(1, DemoCase("llama-train", lambda: LlamaModel(DecoderConfig(layers=layers)),
+                                 _hidden_and_positions(seq=seq), training=True))
+    return cases

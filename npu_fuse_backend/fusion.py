@@ -31,8 +31,9 @@ from torch.fx import Graph, GraphModule, Node
 
 from . import config
 from .canonicalize import canonicalize
+from .graph_utils import is_input_view
 from .lowering.registry import SOC_LIMITS
-from .report import GraphReport, Match, NearMiss, new_report, publish
+from .report import GraphReport, Match, NearMiss, graph_frame, involved, log_graph, new_report, publish, where
 from .soc import resolve_soc
 
 log = logging.getLogger("npu_fuse")
@@ -261,7 +262,8 @@ class PassManager:
     def __call__(self, gm: GraphModule, lowering: str = "", unsupported_ops: Optional[dict] = None) -> GraphReport:
         start = time.perf_counter()
         graph = gm.graph
-        report = new_report(graph_kind(graph), lowering, len(graph.nodes))
+        report = new_report(graph_kind(graph), lowering, len(graph.nodes), frame=graph_frame(graph))
+        log_graph("before", gm, report)
         fake_mode = _fake_mode_of(graph)
         if fake_mode is None:
             report.errors.append("graph has no fake-tensor metadata; nothing fused")
@@ -275,6 +277,7 @@ class PassManager:
                 graph.lint()
                 gm.recompile()
         report.pass_seconds = time.perf_counter() - start
+        log_graph("after", gm, report)
         publish(report)
         return report
 
@@ -299,10 +302,13 @@ class PassManager:
                     continue
                 if rewrite is not None:
                     found.append(rewrite)
-            claimed: set[Node] = set()
+            claimed: set[Node] = set()  # nodes a rewrite replaced: no other rewrite may take them
+            shared: set[Node] = set()  # views of a subgraph's inputs, left to their other users
             for rewrite in found:
                 subgraph = [rewrite.anchor, *rewrite.nodes]
-                if claimed.intersection(subgraph):
+                inside = set(subgraph)
+                views = {n for n in subgraph if is_input_view(n, inside)}
+                if claimed.intersection(inside - views):
                     near_misses.append(self._near_miss(fusion, rewrite.anchor,
                                                        "overlaps a subgraph that was already fused"))
                     continue
@@ -312,10 +318,11 @@ class PassManager:
                     journal.rollback(checkpoint)
                     near_misses.append(self._near_miss(fusion, rewrite.anchor, refusal))
                     continue
-                claimed.update(subgraph)
+                claimed.update(inside - views)
+                shared.update(views)
                 matches.append(Match(fusion.family, rewrite.op, rewrite.anchor.name,
-                                     tuple(n.name for n in subgraph), rewrite.detail))
-            _erase_dead(ctx.graph, claimed)
+                                     tuple(n.name for n in subgraph), rewrite.detail, **where(subgraph)))
+            _erase_dead(ctx.graph, claimed | shared)
         except Exception as exc:  # a pass must never break the user's compile
             journal.rollback()
             self._fail(f"fusion pass {fusion.name!r}", exc, report)
@@ -339,7 +346,7 @@ class PassManager:
 
     @staticmethod
     def _near_miss(fusion: FusionPass, anchor: Node, reason: str) -> NearMiss:
-        return NearMiss(fusion.family, anchor.name, reason)
+        return NearMiss(fusion.family, anchor.name, reason, **where([anchor]), nodes=involved(anchor))
 
     @staticmethod
     def _fail(what: str, exc: Exception, report: GraphReport) -> None:

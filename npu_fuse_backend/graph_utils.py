@@ -86,16 +86,27 @@ def users_outside(nodes: Iterable[Node], outputs: Iterable[Node]) -> Optional[No
     """An intermediate of a subgraph that has a user outside it, else None.
 
     ``nodes`` are the subgraph's intermediates; ``outputs`` are the nodes whose
-    uses are redirected to the replacement (they may have any users).
+    uses are redirected to the replacement (they may have any users). A view of the
+    subgraph's inputs (a half of the gradient two RoPE sites share) may be shared: it
+    costs nothing, and it simply stays for its other users.
     """
     inside = set(nodes) | set(outputs)
     for node in nodes:
-        if node in outputs:
+        if node in outputs or is_input_view(node, inside):
             continue
         for user in node.users:
             if user not in inside:
                 return node
     return None
+
+
+SHAREABLE_VIEWS = (aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.expand.default,
+                   aten.permute.default, aten.transpose.int, aten.t.default, *VIEWS)
+
+
+def is_input_view(node: Node, inside: set) -> bool:
+    """node is a view of a value computed outside the subgraph ``inside``."""
+    return is_call(node, *SHAREABLE_VIEWS) and isinstance(node.args[0], Node) and node.args[0] not in inside
 
 
 def describe(node: Node) -> str:

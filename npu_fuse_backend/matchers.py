@@ -604,3 +604,258 @@ def deinterleaved(node) -> Optional[Deinterleave]:
             and shape_eq(val(pairs).shape[:-1], [*val(source).shape[:-1], val(source).shape[-1] // 2])):
         return None
     return Deinterleave(source, [*nodes, inner, pairs])
+
+
+# -- DeepSeek's pairs-in / half-out RoPE ------------------------------------------------------
+class LaneTerm(NamedTuple):
+    """``sign * piece * table``: one product of a pairs-to-half RoPE, its piece being an
+    interleaved lane (forward: 0 even, 1 odd) or a half of the gradient (backward: 0 first, 1 second)."""
+
+    sign: int
+    source: Node
+    part: int
+    table: Node
+    nodes: list
+
+
+def _half_part(node) -> Optional[PairLane]:
+    """node = source[..., :D/2] (part 0) or source[..., D/2:] (part 1)."""
+    piece = last_dim_piece(node)
+    if piece is None or piece.step != 1:
+        return None
+    size = static_int(val(piece.source).shape[-1])
+    if size is None or size % 2:
+        return None
+    part = {(0, size // 2): 0, (size // 2, size): 1}.get((piece.start, piece.end))
+    return None if part is None else PairLane(piece.source, part, piece.nodes)
+
+
+def _signed_product(node, find_part) -> Optional[LaneTerm]:
+    """[-]piece * table in any operand order, the minus on the piece or on the product."""
+    sign, nodes = 1, []
+    inner = negated(node)
+    if inner is not None:
+        sign, nodes, node = -1, [node], inner
+    ops = binary_operands(node, aten.mul.Tensor)
+    if ops is None:
+        return None
+    for a, b in (ops, ops[::-1]):
+        piece_sign, extra = sign, []
+        if negated(a) is not None:
+            piece_sign, extra, a = -sign, [a], negated(a)
+        part = find_part(a)
+        if part is not None and isinstance(b, Node):
+            return LaneTerm(piece_sign, part.source, part.lane, b, [*nodes, node, *extra, *part.nodes])
+    return None
+
+
+def _signed_sum(node, find_part) -> Optional[list]:
+    """The two signed products of ``a + b`` or ``a - b``, or None."""
+    for target, second_sign in ((aten.add.Tensor, 1), (aten.sub.Tensor, -1)):
+        ops = binary_operands(node, target)
+        if ops is None:
+            continue
+        terms = [_signed_product(ops[0], find_part), _signed_product(ops[1], find_part)]
+        if None in terms:
+            return None
+        second = terms[1]
+        return [terms[0], second._replace(sign=second.sign * second_sign)]
+    return None
+
+
+@dataclasses.dataclass
+class PairsToHalfRope:
+    """``P(x) * cat(cos) + rotate_half(P(x)) * cat(sin)``, P the de-interleave, found as its
+    two halves (forward), or its adjoint (backward). ``cos``/``sin`` are the tables of the
+    first and of the second half of the result: the fused op's cos is ``cat(cos, -1)``."""
+
+    x: Node
+    cos: tuple
+    sin: tuple
+    nodes: list
+
+
+def _terms_key(terms) -> dict:
+    return {(t.sign, t.part): t for t in terms}
+
+
+def _tables(halves: list, signature: tuple, describe_form: str) -> Optional[tuple]:
+    """Check each half's signed terms against ``signature`` ({(sign, part): table role}) and
+    return the tables by role; raise NotFused for the same pieces in another arrangement."""
+    found = {}
+    for terms, wanted in zip(halves, signature):
+        keyed = _terms_key(terms)
+        if set(keyed) != set(wanted):
+            got = " and ".join(f"{'+' if t.sign > 0 else '-'}part{t.part}*{t.table.name}" for t in terms)
+            raise NotFused(f"the halves combine the pieces as {got}: not {describe_form}")
+        for key, role in wanted.items():
+            found[role] = keyed[key].table
+    return found
+
+
+# forward: cat([even*A - odd*B, odd*C + even*E]) -> cos = (A, C), sin = (B, E)
+_FORWARD_SIGNATURE = ({(1, 0): "cos0", (-1, 1): "sin0"}, {(1, 1): "cos1", (1, 0): "sin1"})
+# backward: dx_even = g0*A + g1*E, dx_odd = g1*C - g0*B
+_BACKWARD_SIGNATURE = ({(1, 0): "cos0", (1, 1): "sin1"}, {(1, 1): "cos1", (-1, 0): "sin0"})
+
+
+def match_pairs_to_half_rope(node) -> Optional[PairsToHalfRope]:
+    """``cat([x_even * cos - x_odd * sin, x_odd * cos + x_even * sin], -1)`` rooted at the cat
+    (transformers 5.x DeepSeek-V3 ``apply_rotary_pos_emb_interleave``; cos/sin of half width,
+    lanes by strided slices or by ``unbind``/``select`` of the pairs)."""
+    parts = last_dim_cat(node)
+    if parts is None or len(parts) != 2:
+        return None
+    halves = [_signed_sum(p, pair_lane) for p in parts]
+    if None in halves or len({t.source for half in halves for t in half}) != 1:
+        return None
+    tables = _tables(halves, _FORWARD_SIGNATURE, "cat([even*cos - odd*sin, odd*cos + even*sin])")
+    nodes = [node, *parts, *(n for half in halves for t in half for n in t.nodes)]
+    return PairsToHalfRope(halves[0][0].source, (tables["cos0"], tables["cos1"]), (tables["sin0"], tables["sin1"]),
+                           list(dict.fromkeys(nodes)))
+
+
+def match_pairs_to_half_rope_backward(node) -> Optional[PairsToHalfRope]:
+    """The adjoint of :func:`match_pairs_to_half_rope` as autograd writes it, rooted at the add
+    of the two lanes written back (``slice_backward``/``slice_scatter`` at step 2):
+    ``dx_even = g0 * cos + g1 * sin'``, ``dx_odd = g1 * cos' - g0 * sin``, g0/g1 the halves of g."""
+    lanes = _lanes_written_back(node)
+    if lanes is None:
+        return None
+    halves = [_signed_sum(lanes[lane][0], _half_part) for lane in (0, 1)]
+    if None in halves or len({t.source for half in halves for t in half}) != 1:
+        return None
+    tables = _tables(halves, _BACKWARD_SIGNATURE, "the adjoint of DeepSeek's pairs-to-half rotation")
+    nodes = [node, *(n for lane in (0, 1) for n in (lanes[lane][0], *lanes[lane][1])),
+             *(n for half in halves for t in half for n in t.nodes)]
+    return PairsToHalfRope(halves[0][0].source, (tables["cos0"], tables["cos1"]), (tables["sin0"], tables["sin1"]),
+                           list(dict.fromkeys(nodes)))
+
+
+def _lanes_written_back(node) -> Optional[dict]:
+    """{lane: (value, nodes)} for ``slice_backward(even, 0::2) + slice_backward(odd, 1::2)``
+    (the backward of strided slices) or ``stack([even, odd], -1).view(..., D)`` (of ``unbind``)."""
+    if is_call(node, aten.add.Tensor) and len(node.args) == 2 and node.kwargs.get("alpha", 1) == 1:
+        lanes = {}
+        for arg in node.args:
+            put = placed(arg)
+            if put is None or put.step != 2 or put.start not in (0, 1) or put.start in lanes:
+                return None
+            lanes[put.start] = (put.value, put.nodes)
+        return lanes
+    if is_call(node, *VIEWS):
+        stacked = new_last_dim_stack(node.args[0])
+        if stacked is None or not rank(node):
+            return None
+        ss, vs = val(node.args[0]).shape, val(node).shape
+        if len(vs) != len(ss) - 1 or not size_eq(ss[-1], 2) or not shape_eq(vs[:-1], ss[:-2]):
+            return None
+        return {0: (stacked.first, stacked.nodes), 1: (stacked.second, [])}
+    return None
+
+
+def reinterleaved(node) -> Optional[Deinterleave]:
+    """``y.view(..., 2, D/2).transpose(-1, -2).reshape(..., D)``: the inverse of
+    :func:`deinterleaved` (autograd's backward of it); Deinterleave.source is y."""
+    if not is_call(node, *VIEWS):
+        return None
+    inner, nodes = node.args[0], [node]
+    if is_call(inner, aten.clone.default):
+        nodes.append(inner)
+        inner = inner.args[0]
+    if not swaps_last_two(inner):
+        return None
+    halves = inner.args[0]
+    if not (is_call(halves, *VIEWS) and rank(halves) and rank(halves) >= 2 and size_eq(val(halves).shape[-2], 2)):
+        return None
+    source = halves.args[0]
+    ss = val(source).shape
+    if not (shape_eq(ss, val(node).shape) and shape_eq(val(halves).shape, [*ss[:-1], 2, ss[-1] // 2])):
+        return None
+    return Deinterleave(source, [*nodes, inner, halves])
+
+
+def match_rope_grad_site(add: Node) -> Optional[RopeSite]:
+    """``g * cos + R^T(g * sin)`` rooted at add: the backward of a RoPE site as autograd
+    writes it (RopeSite.x is g). Raises NotFused when the two gradients differ."""
+    if not is_call(add, aten.add.Tensor) or len(add.args) != 2 or add.kwargs.get("alpha", 1) != 1:
+        return None
+    for cos_term, rt_node in (add.args, add.args[::-1]):
+        rt = match_rotation_transpose(rt_node)
+        if rt is None:
+            continue
+        if not (is_call(rt.source, aten.mul.Tensor) and is_call(cos_term, aten.mul.Tensor)):
+            return None
+        sin_term = rt.source
+        for i, j in ((0, 0), (0, 1), (1, 0), (1, 1)):
+            if sin_term.args[i] is cos_term.args[j]:
+                return RopeSite(sin_term.args[i], cos_term.args[1 - j], sin_term.args[1 - i], rt,
+                                [cos_term, rt_node, sin_term])
+        raise NotFused("the gradient multiplied by cos is not the one multiplied by sin")
+    return None
+
+
+# -- layout-only ops ----------------------------------------------------------------------------
+FRESH_BUFFERS = (aten.empty.memory_format, aten.new_empty.default, aten.new_empty_strided.default,
+                 aten.empty_like.default, aten.empty_strided.default)
+
+
+class LayoutPath(NamedTuple):
+    """``node`` computed from ``source`` by ops that only lay the same values out anew
+    (row-major order kept): its value is ``source.reshape(node's shape)``."""
+
+    source: Any
+    nodes: list  # the layout ops, and the fresh buffers values were copied into
+
+
+def copied_into_fresh_buffer(node) -> Optional[Node]:
+    """src for ``copy(empty(...), src)`` of src's shape and dtype (``x.new_empty(...).copy_(src)``
+    after functionalization)."""
+    if not (is_call(node, aten.copy.default) and is_call(node.args[0], *FRESH_BUFFERS) and len(node.args) == 2):
+        return None
+    src = node.args[1]
+    if not (isinstance(src, Node) and shape_eq(val(node).shape, val(src).shape) and val(node).dtype == val(src).dtype):
+        return None
+    return src
+
+
+def through_layout(node) -> LayoutPath:
+    """Walk back from node over view/reshape/_unsafe_view, clone and copies into fresh buffers.
+    Each keeps the values in row-major order, so a replacement computing ``source`` gives node's
+    value as a view of its contiguous result."""
+    nodes = []
+    while True:
+        if is_call(node, *VIEWS, aten.clone.default) and isinstance(node.args[0], Node):
+            if is_call(node, aten.clone.default) and set(node.kwargs) - {"memory_format"}:
+                break
+            nodes.append(node)
+            node = node.args[0]
+            continue
+        src = copied_into_fresh_buffer(node)
+        if src is None:
+            break
+        nodes += [node, node.args[0]]
+        node = src
+    return LayoutPath(node, nodes)
+
+
+def scalar_like(node) -> Any:
+    """The one-element tensor (or number) behind ``expand``/views of it, else node itself."""
+    while is_call(node, aten.expand.default, *VIEWS) and isinstance(node.args[0], Node) \
+            and val(node.args[0]).numel() == 1:
+        node = node.args[0]
+    return node
+
+
+def written_back(node: Node, layout: LayoutPath) -> list:
+    """``copy(dst, node)`` users whose dst is one of layout's nodes and has node's shape, dtype and
+    strides: each equals node's value (the functional form of an in-place op on a view,
+    ``scores /= s``)."""
+    copies = []
+    for user in node.users:
+        if is_call(user, aten.copy.default) and user.args[1] is node and user.args[0] in layout.nodes:
+            dst, value = val(user.args[0]), val(node)
+            if shape_eq(dst.shape, value.shape) and shape_eq(dst.stride(), value.stride()) \
+                    and dst.dtype == value.dtype:
+                copies.append(user)
+    return copies

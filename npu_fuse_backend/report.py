@@ -1,24 +1,40 @@
 """The match report: what each compiled graph fused, and why near-misses did not.
 
 Counts go to ``torch._dynamo.utils.counters["npu_fuse"]`` keyed by fused-op name;
-the details of every graph are kept here and returned by :func:`get_reports`.
-Everything is also logged to the ``npu_fuse`` logger (``TORCH_LOGS="+npu_fuse"``).
+the details of every graph are kept here and returned by :func:`get_reports`. Each match
+and near-miss names where it is in the user's code: the file:line of the model code
+(from the node's ``stack_trace``), the module path (``model.layers.3.self_attn``, from
+``nn_module_stack``) and the graph's frame (Dynamo's compile id and code name: the graphs
+of one function split by graph breaks are each tied to theirs).
+
+``torch.compiler.reset()`` clears the reports and counters with Dynamo's caches (it calls
+the ``reset`` of every backend compiled with since the last reset).
+
+Logging: ``TORCH_LOGS="+npu_fuse"`` logs each report (and, at debug level, the nodes of each
+near-miss); ``TORCH_LOGS="npu_fuse_graphs"`` logs each graph before and after the passes.
 """
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
+import re
+from typing import Iterable, Iterator
 
 import torch
 from torch._dynamo.utils import counters
+from torch.fx import Graph, GraphModule, Node
 
 from . import config
 
-log = logging.getLogger("npu_fuse")
-
-# TORCH_LOGS="+npu_fuse" names the logger through the top-level module ``npu_fuse``.
+# TORCH_LOGS="+npu_fuse" names the logger through the top-level module ``npu_fuse``;
+# TORCH_LOGS="npu_fuse_graphs" turns on the graphs (as "post_grad_graphs" does for inductor).
 torch._logging._internal.register_log("npu_fuse", "npu_fuse")
+torch._logging._internal.register_artifact(
+    "npu_fuse_graphs", "The aten graph before and after npu_fuse's fusion passes", off_by_default=True)
+log = logging.getLogger("npu_fuse")
+graphs_log = torch._logging.getArtifactLogger("npu_fuse", "npu_fuse_graphs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +46,9 @@ class Match:
     anchor: str
     nodes_replaced: tuple[str, ...]
     detail: str = ""
+    source: str = ""  # file:line of the model code
+    module: str = ""  # module path, e.g. "model.layers.3.self_attn"
+    frame: str = ""  # the graph's frame: "[compile id] code name"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +58,10 @@ class NearMiss:
     family: str
     anchor: str
     reason: str
+    source: str = ""
+    module: str = ""
+    frame: str = ""
+    nodes: tuple[str, ...] = ()  # the candidate's nodes, as FX prints them (logged at debug level)
 
 
 @dataclasses.dataclass
@@ -48,6 +71,7 @@ class GraphReport:
     graph_id: int
     kind: str  # "forward", "backward" or "inference"
     lowering: str
+    frame: str = ""
     matches: list[Match] = dataclasses.field(default_factory=list)
     near_misses: list[NearMiss] = dataclasses.field(default_factory=list)
     errors: list[str] = dataclasses.field(default_factory=list)
@@ -58,35 +82,141 @@ class GraphReport:
         return dict(collections.Counter(m.op for m in self.matches))
 
     def summary(self) -> str:
+        """The report as text: the graph, then its matches and near-misses grouped by module."""
+        frame = f"{self.frame}, " if self.frame else ""
         lines = [
-            f"graph {self.graph_id} ({self.kind}, {self.node_count} nodes, lowering={self.lowering}): "
+            f"graph {self.graph_id} ({frame}{self.kind}, {self.node_count} nodes, lowering={self.lowering}): "
             f"{len(self.matches)} fused, {len(self.near_misses)} near-misses, "
             f"passes took {self.pass_seconds * 1e3:.2f} ms"
         ]
-        lines += [f"  fused {m.op} at {m.anchor} ({m.family}{', ' + m.detail if m.detail else ''}): "
-                  f"replaced {', '.join(m.nodes_replaced)}" for m in self.matches]
-        lines += [f"  not fused ({n.family}) at {n.anchor}: {n.reason}" for n in self.near_misses]
+        for module, records in by_module([*self.matches, *self.near_misses]).items():
+            lines.append(f"  {module or '(top level)'}:")
+            for r in records:
+                at = f"{r.anchor}{' ' + r.source if r.source else ''}"
+                if isinstance(r, Match):
+                    lines.append(f"    fused {r.op} at {at} ({r.family}{', ' + r.detail if r.detail else ''}): "
+                                 f"replaced {', '.join(r.nodes_replaced)}")
+                else:
+                    lines.append(f"    not fused ({r.family}) at {at}: {r.reason}")
         lines += [f"  pass error: {e}" for e in self.errors]
         return "\n".join(lines)
 
 
+def by_module(records: Iterable) -> dict:
+    """{module path: records}, modules in the order they first appear."""
+    groups: dict = {}
+    for record in records:
+        groups.setdefault(record.module, []).append(record)
+    return groups
+
+
+# -- where a subgraph is in the user's code ------------------------------------------------------
+_FRAME_LINE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<code>\S+)')
+
+
+def _frames(node: Node) -> list:
+    return _FRAME_LINE.findall(node.meta.get("stack_trace") or "")
+
+
+def _module_stack(node: Node) -> dict:
+    return node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+
+
+def module_path(dynamo_path: str, cls: type = None) -> str:
+    """Dynamo's ``L['self'].model.layers[3]._modules['self_attn']`` as ``model.layers.3.self_attn``
+    (relative to the compiled module; a module passed as an argument keeps the argument's name)."""
+    path = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", dynamo_path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"^[LG]\['([^']+)'\]", r"\1", path)
+    return path or (cls.__name__ if isinstance(cls, type) else "")
+
+
+def where(nodes: list) -> dict:
+    """source, module and frame of a subgraph (``nodes[0]`` its anchor), for Match/NearMiss."""
+    traced = [n for n in nodes if _frames(n)]
+    # autograd's gradient-accumulation adds carry the trace of some other use of the tensor
+    own = [n for n in traced if "Gradient addition node" not in n.meta["stack_trace"]] or traced
+    source = frame = ""
+    if own:
+        frames = _frames(own[0])
+        file, line, _ = frames[-1]
+        source = f"{file}:{line}"
+    if traced:
+        frame = graph_frame_name(_frames(traced[0])[0][2])
+    module = ""
+    for node in nodes:
+        stack = _module_stack(node)
+        if stack:
+            module = module_path(*list(stack.values())[-1])
+            break
+    return dict(source=source, module=module, frame=frame)
+
+
+def involved(anchor: Node) -> tuple:
+    """The anchor of a near-miss and its inputs, as FX prints them."""
+    return tuple(n.format_node() for n in (*anchor.all_input_nodes, anchor))
+
+
+def graph_frame_name(code_name: str) -> str:
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    return f"[{compile_id}] {code_name}" if compile_id is not None else code_name
+
+
+def graph_frame(graph: Graph) -> str:
+    """Dynamo's compile id and the compiled frame's code name (the outermost frame of any
+    node's stack trace), e.g. ``[1/0] torch_dynamo_resume_in_forward_at_12``."""
+    for node in graph.nodes:
+        frames = _frames(node)
+        if frames:
+            return graph_frame_name(frames[0][2])
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    return f"[{compile_id}]" if compile_id is not None else ""
+
+
+def log_graph(when: str, gm: GraphModule, report: "GraphReport") -> None:
+    """The graph to the ``npu_fuse_graphs`` artifact (``TORCH_LOGS="npu_fuse_graphs"``)."""
+    if graphs_log.isEnabledFor(logging.DEBUG):
+        graphs_log.debug("graph %d %s npu_fuse's passes (%s, %s):\n%s", report.graph_id, when, report.frame,
+                         report.kind, gm.print_readable(print_output=False))
+
+
 _reports: collections.deque = collections.deque()
 _graph_ids = itertools.count()
+_collectors: list = []
 
 
-def new_report(kind: str, lowering: str, node_count: int) -> GraphReport:
-    return GraphReport(graph_id=next(_graph_ids), kind=kind, lowering=lowering, node_count=node_count)
+def new_report(kind: str, lowering: str, node_count: int, frame: str = "") -> GraphReport:
+    return GraphReport(graph_id=next(_graph_ids), kind=kind, lowering=lowering, node_count=node_count, frame=frame)
 
 
 def publish(report: GraphReport) -> None:
     """Store a finished report, bump the counters and log it."""
     _reports.append(report)
+    for collected in _collectors:
+        collected.append(report)
     while len(_reports) > config.max_reports:
         _reports.popleft()
     for match in report.matches:
         counters["npu_fuse"][match.op] += 1
     counters["npu_fuse_near_miss"].update(n.family for n in report.near_misses)
     log.info("%s", report.summary())
+    if log.isEnabledFor(logging.DEBUG):
+        for miss in report.near_misses:
+            log.debug("near-miss (%s) at %s %s: %s; nodes:\n  %s", miss.family, miss.anchor, miss.source, miss.reason,
+                      "\n  ".join(miss.nodes))
+
+
+@contextlib.contextmanager
+def collect() -> Iterator[list]:
+    """Every report published inside the block, in order, whatever resets happen meanwhile
+    (``npu-fuse explain`` runs user scripts that may call ``torch.compiler.reset()``)."""
+    collected: list = []
+    _collectors.append(collected)
+    try:
+        yield collected
+    finally:
+        _collectors.remove(collected)
 
 
 def get_reports() -> list[GraphReport]:
@@ -95,7 +225,7 @@ def get_reports() -> list[GraphReport]:
 
 
 def clear_reports() -> None:
-    """Forget stored reports and reset the ``npu_fuse`` counters."""
+    """Forget stored reports and reset the ``npu_fuse`` counters (``torch.compiler.reset()`` does too)."""
     _reports.clear()
     counters["npu_fuse"].clear()
     counters["npu_fuse_near_miss"].clear()

@@ -34,6 +34,24 @@ def attention_inputs():
     return [torch.randn(2, 2, 8, 8, requires_grad=True) for _ in range(3)]
 
 
+def deepseek_v3_rope():
+    """transformers 5.x DeepSeek-V3's interleaved RoPE (pairs in, halves out) on q and k."""
+    def rope(q, k, cos, sin):
+        cos, sin = cos[..., :32].unsqueeze(1), sin[..., :32].unsqueeze(1)
+        q1, q2, k1, k2 = q[..., 0::2], q[..., 1::2], k[..., 0::2], k[..., 1::2]
+        return (torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], -1)
+                + torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], -1))
+    return rope
+
+
+def deepseek_v3_inputs(dtype=torch.bfloat16, grad=False):
+    def make():
+        emb = torch.randn(1, 8, 32).repeat(1, 1, 2)
+        return (torch.randn(1, 2, 8, 64, dtype=dtype, requires_grad=grad),
+                torch.randn(1, 2, 8, 64, dtype=dtype, requires_grad=grad), emb.cos().to(dtype), emb.sin().to(dtype))
+    return make
+
+
 ROPE_TRAIN = {"forward": ["rotary_mul"] * 2, "backward": ["rotary_mul_backward"] * 2}
 PARTIAL = ["inplace_partial_rotary_mul"] * 2
 CASES = {  # name: (function maker, inputs, training, {soc: {graph kind: fused ops}})
@@ -49,6 +67,14 @@ CASES = {  # name: (function maker, inputs, training, {soc: {graph kind: fused o
     "gptj-training": (gptj, hidden, True, {
         **{soc: {"forward": PARTIAL, "backward": ["rotary_mul_backward"] * 2} for soc in ("generic", "Ascend910B")},
         "Ascend950": ROPE_TRAIN}),
+    # InterleaveRope is A2/A3's, mode 3 Ascend950's (no op on every SoC: generic does not fuse it);
+    # A2/A3 have no gradient op: training fuses on Ascend950 only
+    "deepseek-v3-inference": (deepseek_v3_rope, deepseek_v3_inputs(), False, {
+        "generic": {"inference": []},
+        **{soc: {"inference": ["interleave_rope"] * 2} for soc in ("Ascend910B", "Ascend950")}}),
+    "deepseek-v3-training": (deepseek_v3_rope, deepseek_v3_inputs(torch.float32, grad=True), True, {
+        "generic": {"forward": [], "backward": []}, "Ascend910B": {"forward": [], "backward": []},
+        "Ascend950": {"forward": ["interleave_rope"] * 2, "backward": ["interleave_rope_backward"] * 2}}),
     "attention-training": (lambda: attention, attention_inputs, True, {
         "generic": {"forward": [], "backward": []}, "Ascend910B": {"forward": [], "backward": []},
         "Ascend950": {"forward": [], "backward": ["softmax_grad_ext"]}}),

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.skipif(not SCHEMAS.is_file(), reason="torch_npu not fet
 
 npu_fuse = torch.ops.npu_fuse
 WITH_KERNELS = {npu_fuse.rotary_mul.default, npu_fuse.rotary_mul_backward.default, npu_fuse.softmax_grad_ext.default,
-                npu_fuse.inplace_partial_rotary_mul.default, npu_fuse.inplace_partial_rotary_mul_backward.default}
+                npu_fuse.inplace_partial_rotary_mul.default, npu_fuse.inplace_partial_rotary_mul_backward.default,
+                npu_fuse.interleave_rope.default}
 
 
 def torch_npu_schemas() -> dict:
@@ -46,7 +47,13 @@ def _rotary_mul_backward(grad, x, r1, r2, rotary_mode="half"):
     return dx, (grad * x).sum_to_size(r1.shape), (grad * rotate(x, rotary_mode)).sum_to_size(r2.shape)
 
 
-REFERENCES = {"npu_rotary_mul": _rotary_mul, "npu_rotary_mul_backward": _rotary_mul_backward}
+def _interleave_rope(x, cos, sin):  # README of InterleaveRope: de-interleave the pairs, then rotate halves
+    pairs = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+    return pairs * cos + rotate(pairs, "half") * sin
+
+
+REFERENCES = {"npu_rotary_mul": _rotary_mul, "npu_rotary_mul_backward": _rotary_mul_backward,
+              "npu_interleave_rope": _interleave_rope}
 SCALAR_TYPES = {"str": str, "int": int, "bool": bool, "float": (float, int)}
 
 
@@ -164,3 +171,21 @@ def test_kernels_check_their_arguments_like_the_op(as_npu):
         kernel(as_npu, npu_fuse.rotary_mul.default)(x, r1, r2, "quarter")
     with pytest.raises(ValueError, match="partial_slice"):
         kernel(as_npu, npu_fuse.inplace_partial_rotary_mul.default)(x, r1, r2, partial_slice=[0, 9, 1])
+
+
+@pytest.mark.parametrize("soc", ["Ascend910B", "generic"])
+def test_interleave_rope_kernel(as_npu, npu_namespace, soc, monkeypatch):
+    """On A2/A3, inside InterleaveRope's limits, the kernel is torch_npu's npu_interleave_rope
+    (x, cos, sin in that order); elsewhere the op's reference."""
+    import npu_fuse_backend as nf
+
+    namespace, _ = npu_namespace
+    calls = []
+    real = namespace.npu_interleave_rope
+    monkeypatch.setattr(namespace, "npu_interleave_rope", lambda *a: calls.append(a) or real(*a), raising=False)
+    x = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
+    cos, sin = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16), torch.randn(1, 1, 8, 64, dtype=torch.bfloat16)
+    with nf.config.patch(soc=soc):
+        got = kernel(as_npu, npu_fuse.interleave_rope.default)(x, cos, sin)
+    assert len(calls) == (1 if soc == "Ascend910B" else 0)
+    assert_close(got, npu_fuse.interleave_rope(x, cos, sin), torch.bfloat16)

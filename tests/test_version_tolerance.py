@@ -58,8 +58,10 @@ def test_unsupported_ops_lists_what_the_installed_cann_lacks():
     from npu_fuse_backend.lowering.npu import unsupported_ops
 
     assert set(unsupported_ops("Ascend950")) == set()
-    assert set(unsupported_ops("Ascend910B")) == {"softmax_grad_ext"}  # the op exists on Ascend950 only
-    assert set(unsupported_ops("generic")) == {"softmax_grad_ext"}
+    # SoftmaxGradExt and the interleave-half RoPE gradient exist on Ascend950 only; no one GE op
+    # does the interleave-half RoPE on every SoC
+    assert set(unsupported_ops("Ascend910B")) == {"softmax_grad_ext", "interleave_rope_backward"}
+    assert set(unsupported_ops("generic")) == {"softmax_grad_ext", "interleave_rope", "interleave_rope_backward"}
     with hidden_ops("RotaryMul"):
         reasons = unsupported_ops("Ascend910B")
         assert "RotaryMul" in reasons["rotary_mul"] and "rotary_mul_backward" not in reasons

@@ -8,6 +8,10 @@ any order; ``x2`` a Python scalar, a scalar-like tensor, or a tensor of grad's s
 * decomposed ``_softmax_backward_data``: ``y = (m0 - x1 * sum(m0, -1, keepdim)) * x2``, ``m0 = grad * x1``,
   or with ``fma(-x1, sum(m0), m0)`` for the Sub, as inductor's decompositions write it
 * training graphs: ``y = _softmax_backward_data(grad, x1, -1, dtype) * x2`` (or ``/ scale``).
+* any of these with layout-only ops (views, clones, copies into a fresh buffer) between the
+  chain and its scale, as Falcon's in-place ``scores /= sqrt(d)`` leaves them in the backward
+  graph (with the copies that write ``y`` back into the view); the result is viewed back to
+  ``y``'s shape, which must be contiguous. A scale expanded from one element is that element.
 
 Constraints (each failure is a near-miss with its reason): reduction over the last
 dim with keepdim; grad and x1 of equal shape, rank 1..6, not empty, one dtype in
@@ -27,7 +31,7 @@ from torch.fx import Node
 from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
 from ..graph_utils import aten, describe, is_call, norm_dim, static_int, users_outside, val
 from ..lowering.ops.softmax_grad_ext import FLOAT_DTYPES
-from ..matchers import binary_operands
+from ..matchers import LayoutPath, binary_operands, scalar_like, through_layout, written_back
 
 Scalar = (int, float)
 
@@ -76,6 +80,7 @@ class SoftmaxBackward:
     keepdim: bool
     scale_inverted: bool = False  # y = softmax_backward / x2
     form: str = "decomposed chain"
+    layout: Optional[LayoutPath] = None  # layout-only ops between the chain and the scale
 
     def __post_init__(self):
         self.nodes = list(dict.fromkeys(self.nodes))
@@ -93,26 +98,44 @@ class SoftmaxGradExtFusion(FusionPass):
     def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
         if len(anchor.args) != 2:
             return None
-        chain = self._match_softmax_backward_data(anchor) or self._match_decomposed(anchor)
+        chain = self._match_softmax_backward_data(anchor) or self._match_decomposed(anchor) or \
+            self._match_through_layout(anchor)
         return self._check_and_rewrite(ctx, anchor, chain) if chain is not None else None
 
     # -- patterns ---------------------------------------------------------------------
+    def _match_through_layout(self, y: Node) -> Optional[SoftmaxBackward]:
+        """A chain whose result reaches the scale through layout-only ops."""
+        for i, operand in enumerate(y.args):
+            path = through_layout(operand)
+            if not path.nodes:
+                continue
+            args = (*y.args[:i], path.source, *y.args[i + 1:])
+            chain = self._match_softmax_backward_data(y, args) or self._match_decomposed(y, args)
+            if chain is not None:
+                chain.layout = path
+                chain.nodes = list(dict.fromkeys([*chain.nodes, *path.nodes]))
+                chain.form += ", through layout ops"
+                return chain
+        return None
+
     @staticmethod
-    def _match_softmax_backward_data(y: Node) -> Optional[SoftmaxBackward]:
-        for sbd, x2 in (y.args, y.args[::-1]):
+    def _match_softmax_backward_data(y: Node, args: Optional[tuple] = None) -> Optional[SoftmaxBackward]:
+        args = y.args if args is None else args
+        for sbd, x2 in (args, args[::-1]):
             if not is_call(sbd, aten._softmax_backward_data.default):
                 continue
-            if y.target == aten.div.Tensor and (sbd is not y.args[0] or not isinstance(x2, Scalar)):
+            if y.target == aten.div.Tensor and (sbd is not args[0] or not isinstance(x2, Scalar)):
                 return None
             grad, x1, dim = sbd.args[:3]
             return SoftmaxBackward(grad, x1, x2, [sbd], [dim], True, scale_inverted=y.target == aten.div.Tensor,
                                    form="softmax_backward_data")
         return None
 
-    def _match_decomposed(self, y: Node) -> Optional[SoftmaxBackward]:
+    def _match_decomposed(self, y: Node, args: Optional[tuple] = None) -> Optional[SoftmaxBackward]:
         if y.target != aten.mul.Tensor:
             return None
-        for a, b in (y.args, y.args[::-1]):
+        args = y.args if args is None else args
+        for a, b in (args, args[::-1]):
             # v2: (x1 * sub) * x2   |   v1: sub * (x2 * x1)   |   decomposed sbd: (m0 - x1 * s) * x2
             a_ops = binary_operands(a, aten.mul.Tensor)
             if a_ops is not None:
@@ -194,7 +217,9 @@ class SoftmaxGradExtFusion(FusionPass):
 
     # -- constraints and replacement ------------------------------------------------------
     def _check_and_rewrite(self, ctx: PassContext, y: Node, chain: SoftmaxBackward) -> Rewrite:
-        self._check(ctx, y, chain)
+        chain.x2 = scalar_like(chain.x2)
+        copies = written_back(y, chain.layout) if chain.layout else []
+        self._check(ctx, y, chain, copies)
         grad, x1, x2 = chain.grad, chain.x1, chain.x2
         dtype = val(grad).dtype
 
@@ -210,11 +235,14 @@ class SoftmaxGradExtFusion(FusionPass):
             out = b.call(torch.ops.npu_fuse.softmax_grad_ext.default, grad, x1, scale, [-1], True)
             if val(y).dtype != dtype:
                 out = b.call(aten._to_copy.default, out, dtype=val(y).dtype)
+            if chain.layout:
+                out = b.call(aten.view.default, out, list(val(y).shape))
+                return {y: out, **{copy: out for copy in copies}}
             return out
 
         return Rewrite(y, chain.nodes, self.op, build, detail=chain.form)
 
-    def _check(self, ctx: PassContext, y: Node, chain: SoftmaxBackward) -> None:
+    def _check(self, ctx: PassContext, y: Node, chain: SoftmaxBackward, copies: list) -> None:
         grad, x1, x2 = val(chain.grad), val(chain.x1), val(chain.x2)
         for name, t in (("grad", grad), ("x1", x1)) + ((("x2", x2),) if isinstance(x2, torch.Tensor) else ()):
             symbolic = [s for s in t.shape if static_int(s) is None]
@@ -244,7 +272,14 @@ class SoftmaxGradExtFusion(FusionPass):
         if cycle is not None:
             raise NotFused(f"x2 depends on {describe(cycle)} of the chain: fusing would make the op depend "
                            "on its own output")
-        leaked = users_outside(chain.nodes, [y])
+        if chain.layout:
+            if isinstance(x2, torch.Tensor) and x2.numel() != 1:
+                raise NotFused(f"x2 {chain.x2.name} is a full tensor across layout ops; only a scalar scale "
+                               "is the same on both sides of them")
+            if not val(y).is_contiguous():
+                raise NotFused(f"{y.name} has strides {list(val(y).stride())}: the fused op's contiguous "
+                               "result viewed to its shape would not match them")
+        leaked = users_outside(chain.nodes, [y, *copies])
         if leaked is not None:
             raise NotFused(f"intermediate {describe(leaked)} is used outside the subgraph")
 

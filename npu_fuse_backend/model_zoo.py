@@ -1,0 +1,142 @@
+"""A model zoo of real model code: Hugging Face transformers' own model classes (tiny configs
+built in code, random weights, no downloads), one entry per family, each with the fused ops
+its RoPE and attention should become. The coverage benchmark (``benchmarks/coverage.py``)
+and the tests compile the same entries.
+
+Each entry is a model factory with the contract of ``npu-fuse explain module:callable``::
+
+    npu-fuse explain npu_fuse_backend.model_zoo:deepseek_v3 --training
+
+returns ``(model, inputs)``. Attention is transformers' eager implementation, so softmax
+backward is in the graph (SDPA hides it). transformers is an optional dependency: installed
+by the ``test`` extra.
+"""
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, VOCAB = 64, 4, 2, 128, 128
+
+
+@dataclasses.dataclass
+class Family:
+    """One model family: how to build it, and per layer the fused ops its code should give."""
+
+    name: str
+    config: Callable[[int], object]  # layers -> a transformers config
+    model_class: str  # the transformers class, e.g. "LlamaForCausalLM"
+    forward: dict  # fused op -> sites per layer in the forward (or inference) graph
+    backward: dict  # fused op -> sites per layer in the backward graph of a training step
+
+    def build(self, layers: int = 1, seed: int = 0) -> torch.nn.Module:
+        import transformers
+
+        torch.manual_seed(seed)
+        config = self.config(layers)
+        config._attn_implementation = "eager"
+        return getattr(transformers, self.model_class)(config)
+
+    def expected(self, kind: str, layers: int) -> dict:
+        per_layer = self.forward if kind in ("forward", "inference") else self.backward
+        return {op: n * layers for op, n in per_layer.items()}
+
+
+def _common(layers: int, **extra) -> dict:
+    return {**dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=layers,
+                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256,
+                   attention_dropout=0.0), **extra}
+
+
+def _config(name: str, **extra) -> Callable[[int], object]:
+    def make(layers: int):
+        import transformers
+
+        return getattr(transformers, name)(**_common(layers, **extra))
+
+    return make
+
+
+def _partial(factor: float) -> dict:
+    return {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": factor}}
+
+
+def _gptj(layers: int):
+    import transformers
+
+    return transformers.GPTJConfig(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=layers, n_head=HEADS, rotary_dim=8,
+                                   n_positions=256, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+
+
+def _gpt_neox(layers: int):
+    import transformers
+
+    return transformers.GPTNeoXConfig(**_common(layers, **_partial(0.25)), attention_probs_dropout_prob=0.0,
+                                      hidden_dropout=0.0, use_parallel_residual=True)
+
+
+def _falcon(layers: int):
+    import transformers
+
+    return transformers.FalconConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers,
+                                     num_attention_heads=HEADS, multi_query=True, alibi=False,
+                                     new_decoder_architecture=False, attention_dropout=0.0, hidden_dropout=0.0)
+
+
+def _deepseek_v3(layers: int):
+    import transformers
+
+    return transformers.DeepseekV3Config(
+        **_common(layers, num_key_value_heads=HEADS), q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=16, rope_interleave=True,
+        # dense MLPs only: the MoE layers' data-dependent expert routing is not what this zoo measures
+        first_k_dense_replace=layers, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        moe_intermediate_size=32)
+
+
+ROPE = {"rotary_mul": 2}  # q and k
+ROPE_BACKWARD = {"rotary_mul_backward": 2}
+SOFTMAX_BACKWARD = {"softmax_grad_ext": 1}
+
+FAMILIES = [
+    Family("llama", _config("LlamaConfig"), "LlamaForCausalLM", ROPE, {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
+    Family("qwen2", _config("Qwen2Config"), "Qwen2ForCausalLM", ROPE, {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
+    Family("qwen3", _config("Qwen3Config", head_dim=16), "Qwen3ForCausalLM", ROPE,
+           {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
+    Family("mistral", _config("MistralConfig"), "MistralForCausalLM", ROPE, {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
+    Family("gemma", _config("GemmaConfig", head_dim=16), "GemmaForCausalLM", ROPE,
+           {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
+    Family("phi3", _config("Phi3Config", pad_token_id=0), "Phi3ForCausalLM", ROPE,
+           {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
+    Family("phi (partial half)", _config("PhiConfig", **_partial(0.5)), "PhiForCausalLM", ROPE,
+           {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
+    Family("stablelm (partial half)", _config("StableLmConfig", **_partial(0.25)), "StableLmForCausalLM", ROPE,
+           {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
+    Family("gpt-neox (partial half)", _gpt_neox, "GPTNeoXForCausalLM", ROPE, {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
+    Family("gpt-j (partial interleave)", _gptj, "GPTJForCausalLM", {"inplace_partial_rotary_mul": 2},
+           {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
+    Family("cohere (interleave)", _config("CohereConfig"), "CohereForCausalLM", ROPE,
+           {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
+    Family("falcon", _falcon, "FalconForCausalLM", ROPE, {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
+    Family("deepseek-v3 (interleave)", _deepseek_v3, "DeepseekV3ForCausalLM", {"interleave_rope": 2},
+           {"interleave_rope_backward": 2, **SOFTMAX_BACKWARD}),
+]
+BY_NAME = {f.name.split(" ")[0]: f for f in FAMILIES}
+
+
+def example_inputs(batch: int = 2, seq: int = 8) -> dict:
+    torch.manual_seed(1)
+    return {"input_ids": torch.randint(0, VOCAB, (batch, seq))}
+
+
+def _factory(family: Family) -> Callable:
+    def make(layers: int = 1):
+        return family.build(layers), example_inputs()
+
+    make.__doc__ = f"{family.model_class} (tiny config) and its inputs, for ``npu-fuse explain``."
+    return make
+
+
+# model factories by family name (``npu-fuse explain npu_fuse_backend.model_zoo:llama``)
+globals().update({name.replace("-", "_"): _factory(family) for name, family in BY_NAME.items()})
