@@ -234,7 +234,7 @@ class NeoXModel(nn.Module):
 @dataclasses.dataclass
 class MLAConfig:
     hidden: int = 2048
-    heads: int = 4
+    heads: int = 16  # the smallest head count MlaPreprocess takes on Atlas A2/A3
     q_lora: int = 1536
     kv_lora: int = 512
     rope: int = 64
@@ -272,13 +272,14 @@ class RMSNormWithBias(nn.Module):
 
 
 class W8A8Linear(nn.Module):
-    """Static per-tensor asymmetric activation quant, per-channel int8 weights."""
+    """Static per-tensor asymmetric activation quant, per-channel int8 weights (vLLM-Ascend's
+    w8a8 layout: the input scale in the model's dtype, an int8 offset)."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.register_buffer("weight", torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8))
         self.register_buffer("input_scale", torch.tensor([0.05]))
-        self.register_buffer("input_offset", torch.tensor([1.0]))
+        self.register_buffer("input_offset", torch.tensor([1], dtype=torch.int8))
         self.register_buffer("deq_scale", torch.rand(out_features) * 2e-4 + 1e-4)
         self.register_buffer("quant_bias", torch.randint(-10, 10, (out_features,), dtype=torch.int32))
 

@@ -56,9 +56,7 @@ def golden(a, cache_mode, quant_mode, eps=1e-6):
     kv_cache, kv_rope = a["kv_cache"].clone(), a["kv_cache_rope"].clone()
     block_size = kv_cache.shape[1]
     for t, slot in enumerate(a["slotmapping"].tolist()):
-        if slot < 0:
-            continue
-        block, offset = divmod(slot, block_size)
+        block, offset = divmod(slot % (kv_cache.shape[0] * block_size), block_size)  # -1: the last slot
         if cache_mode == 0:
             kv_cache[block, offset, 0] = torch.cat([stages["ctkv"][t], stages["k_rope"][t]])
             continue
@@ -119,10 +117,11 @@ def test_every_stage_and_output_matches_the_golden(cache_mode, quant_mode, quant
     close(kv_out, kv)
     if cache_mode:
         close(kv_rope_out, kv_rope)
-    untouched = a["slotmapping"][0].item()  # slot -1: nothing written for token 0
-    assert untouched == -1
+    slots = a["slotmapping"].tolist()
+    assert slots[0] == -1  # token 0 writes the last slot, as cache.view(-1, D)[-1] = row does
+    count = kv_out.shape[0] * kv_out.shape[1]
     written = (kv_out != cache_in).flatten(1).any(1).nonzero().flatten().tolist()
-    assert set(written) <= {s // kv_out.shape[1] for s in a["slotmapping"].tolist() if s >= 0}
+    assert set(written) <= {(s % count) // kv_out.shape[1] for s in slots} and kv_out.shape[0] - 1 in written
     if not cache_mode:
         assert torch.equal(a["kv_cache_rope"], rope_in)
 
@@ -155,7 +154,7 @@ def _broken(**changes):
     (dict(slotmapping=lambda a: a["slotmapping"].float()), "slotmapping must be int32/int64"),
     (dict(kv_cache=lambda a: torch.zeros(2, 200, 1, 576, dtype=torch.bfloat16)), "block_size must be in \\[1, 128\\] or 256"),
     (dict(kv_cache=lambda a: a["kv_cache"][..., :512]), "kv_cache must be \\[blocks, block_size, 1, 576\\]"),
-    (dict(quant_scale0=None), "quant_scale0 must be a \\[1\\] tensor"),
+    (dict(quant_scale0=None), "quant_scale0 must be a \\[1\\] torch.bfloat16 tensor"),
 ])
 def test_each_limit_has_a_clear_error(changes, message):
     a, kw = _broken(**changes)
@@ -177,12 +176,13 @@ def test_token_limit_and_nz_block_size():
 
 
 @pytest.mark.parametrize("cache_mode", range(4))
-@pytest.mark.parametrize("skipped", ["first", "all"])
-def test_functional_decomposition_matches_the_in_place_op(cache_mode, skipped):
+@pytest.mark.parametrize("negative", ["first", "all"])
+def test_functional_decomposition_matches_the_in_place_op(cache_mode, negative):
     """What inductor compiles (no mutation, static shapes) writes exactly what the op writes."""
     a, kw = make_inputs(cache_mode=cache_mode)
-    if skipped == "all":
-        a["slotmapping"][:] = -1
+    if negative == "all":
+        count = a["kv_cache"].shape[0] * a["kv_cache"].shape[1]
+        a["slotmapping"] = a["slotmapping"] % count - count
     copy = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in a.items()}
     out0, kv, out1, kv_rope = run_op(a, kw)
     (f0, f1), (f_kv, f_kv_rope) = M.mla_preprocess_functional(**copy, **kw, epsilon=1e-6)
@@ -197,3 +197,41 @@ def test_refuses_inputs_that_require_grad():
         run_op(a, kw)
     with torch.no_grad():
         run_op(a, kw)
+
+
+@pytest.mark.parametrize("cache_mode", [0, 3])
+@pytest.mark.parametrize("slot", [64, -65, 1000])
+def test_an_out_of_range_slot_is_an_index_error_and_writes_nothing(cache_mode, slot):
+    """Python indexing: -S..S-1 are slots (S = blocks * block_size), anything else is refused,
+    by the reference kernel and by the decomposition (one index_put, whose bounds check inductor
+    compiles in as well; in a parallel kernel it aborts, so it is not run compiled here)."""
+    a, kw = make_inputs(cache_mode=cache_mode, blocks=4, block_size=16)
+    count = a["kv_cache"].shape[0] * a["kv_cache"].shape[1]
+    a["slotmapping"][1] = slot * count // 64
+    before = a["kv_cache"].clone()
+    with pytest.raises(IndexError, match=f"out of range for a cache of {count} slots"):
+        run_op(a, kw)
+    assert torch.equal(a["kv_cache"], before)
+    with pytest.raises(IndexError, match="out of bounds"):
+        M.mla_preprocess_functional(**a, **kw, epsilon=1e-6)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(kv_cache=lambda a: a["kv_cache"].transpose(0, 1).contiguous().transpose(0, 1)),
+     "kv_cache must be contiguous"),
+    (dict(quant_scale0=lambda a: a["quant_scale0"].float()), "quant_scale0 must be a \\[1\\] torch.bfloat16 tensor"),
+    (dict(quant_offset1=lambda a: a["quant_offset1"].float()), "quant_offset1 must be a \\[1\\] int8 tensor"),
+    (dict(bias0=lambda a: a["bias0"].long()), "bias0 must be \\[2112\\] int32"),
+    (dict(descale1=lambda a: a["descale1"].double()), "descale1 must be \\[384\\] float32/float16/bfloat16"),
+    (dict(gamma1=lambda a: a["gamma1"].float()), "gamma1 must be torch.bfloat16"),
+    (dict(cos=lambda a: a["cos"].half()), "cos must be torch.bfloat16"),
+    (dict(gamma0=lambda a: a["gamma0"][:100]), "gamma0 must be \\[2048\\] torch.bfloat16"),
+    (dict(wuk=lambda a: a["wuk"].to("meta")), "every tensor must be on input's device cpu, got wuk on meta"),
+])
+def test_every_bad_input_is_a_clear_error(changes, message):
+    a, kw = _broken(**changes)
+    with pytest.raises(ValueError, match=message):
+        run_op(a, kw)
+    fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode, pytest.raises(ValueError, match=message):  # the fake kernel checks the same rules
+        run_op({k: fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in a.items()}, kw)
