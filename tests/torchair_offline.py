@@ -4,10 +4,17 @@ torch_npu is installed by ``make test`` into ``.cache/torch_npu`` with
 ``pip install --target``: off every default import path, so no other process in
 the environment sees it (an installed torch_npu breaks ``import torch`` unless
 TORCH_DEVICE_BACKEND_AUTOLOAD=0). Only torchair's Python part is imported; its
-native module is replaced by the stub ``shared/reference/torchair-offline.md``
-describes, enough for the FX->GE conversion to run for real.
+native module is replaced by a stub, enough for the FX->GE conversion to run for real.
+
+The stub is a faithful proxy of the installed CANN's operator registry, not a yes-man:
+``get_registered_ir_def(op)`` answers with the real IR of the op (``cann_ir``: CANN's
+op-defs for the ops our converters emit, torchair's generated IR for its ordinary ops)
+and "ERROR" for an op it does not know, and ``check_cann_compat`` fails an optional
+input or attr a ``ge_op`` builder writes that the IR lacks. ``hidden_ops(...)`` makes
+the proxy play an older CANN that lacks some ops.
 """
 
+import contextlib
 import os
 import signal
 import sys
@@ -17,9 +24,72 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TORCH_NPU_DIR = Path(os.environ.get("NPU_FUSE_TORCH_NPU_DIR", REPO / ".cache" / "torch_npu"))
 
+_table = None
+_hidden: set = set()
+
 
 def torchair_dir() -> Path:
     return TORCH_NPU_DIR / "torch_npu" / "dynamo"
+
+
+def ir_table() -> dict:
+    """{op type: cann_ir.OpIR} the proxy answers from."""
+    global _table
+    if _table is None:
+        from cann_ir import load_ir_table
+
+        _table = load_ir_table(torchair_dir() / "torchair")
+    return _table
+
+
+def known_ir(op_type: str):
+    return None if op_type in _hidden else ir_table().get(op_type)
+
+
+@contextlib.contextmanager
+def hidden_ops(*op_types: str):
+    """The proxy plays a CANN without these ops (``get_registered_ir_def`` fails for them)."""
+    added = set(op_types) - _hidden
+    _hidden.update(added)
+    _forget_cached_answers()
+    try:
+        yield
+    finally:
+        _hidden.difference_update(added)
+        _forget_cached_answers()
+
+
+def _forget_cached_answers():
+    """torchair caches check_cann_compat per (op, inputs, attrs): right for one CANN per
+    process, stale once the proxy plays another."""
+    if "torchair" in sys.modules:
+        from torchair._ge_concrete_graph.compat_ir import is_cann_compat
+
+        is_cann_compat.cache_clear()
+
+
+def get_registered_ir_def(op_type: str) -> tuple:
+    """GE's GetRegisteredIrDef as torchair's native module returns it."""
+    ir = known_ir(op_type)
+    if ir is None:
+        return "ERROR", [], [], []
+    return ("SUCCESS", *ir.registered_ir_def())
+
+
+def check_cann_compat(op_type: str, optional_inputs=(), optional_attrs=()) -> str:
+    """torchair's check_cann_compat: "" when the installed CANN has the op, each optional input
+    a ``ge_op`` builder connects and each non-default attr it writes; else why not."""
+    ir = known_ir(op_type)
+    if ir is None:
+        return f"op type {op_type} is not registered in the installed CANN"
+    for name in optional_inputs:
+        spec = ir.input(name)
+        if spec is None or spec.kind != "optional":
+            return f"op {op_type} of the installed CANN has no optional input {name!r}"
+    for name in optional_attrs:
+        if ir.attr(name) is None:
+            return f"op {op_type} of the installed CANN has no attr {name!r}"
+    return ""
 
 
 def load_torchair_offline():
@@ -33,8 +103,8 @@ def load_torchair_offline():
     stub.TorchDataType.__getattr__ = lambda name: 0
     stub.TorchNpuGraphBase = type("TorchNpuGraphBase", (), {"__init__": lambda self, name="": None})
     stub.InitializeGraphEngine = stub.FinalizeGraphEngine = stub.SetDebugLogPath = lambda *a: None
-    stub.check_cann_compat = lambda *a: ""
-    stub.get_registered_ir_def = lambda op: ("SUCCESS", [], [], [])
+    stub.check_cann_compat = check_cann_compat
+    stub.get_registered_ir_def = get_registered_ir_def
     sys.modules[stub.__name__] = stub
     saved = [(s, signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM)]
     import torchair
@@ -50,6 +120,7 @@ def ge_graphs_of(fn, *args, dynamic=False, fusion=True):
     import torch
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     torchair = load_torchair_offline()
     from torchair.configs.compiler_config import CompilerConfig
@@ -68,11 +139,24 @@ def ge_graphs_of(fn, *args, dynamic=False, fusion=True):
         return make_boxed_func(gm.forward)
 
     torch._dynamo.reset()
-    backend = aot_autograd(fw_compiler=one, bw_compiler=one, keep_inference_input_mutations=True)
-    out = torch.compile(fn, backend=backend, dynamic=dynamic)(*args)
-    if isinstance(out, torch.Tensor) and out.requires_grad:
-        out.sum().backward()
+    backend = aot_autograd(fw_compiler=one, bw_compiler=one, keep_inference_input_mutations=True,
+                           decompositions=aten_decompositions())
+    # SDPA's math form: on CPU tensors SDPA would pick a CPU-only flash kernel (no GE converter;
+    # an NPU graph has the NPU's own attention op)
+    with sdpa_kernel(SDPBackend.MATH):
+        out = torch.compile(fn, backend=backend, dynamic=dynamic)(*args)
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.sum().backward()
     return graphs
+
+
+def aten_decompositions() -> dict:
+    """aten ops torchair has no GE converter for, decomposed as inductor does, so that a training
+    step of the demo models converts: silu_backward (torchair's converter raises)."""
+    import torch
+    from torch._decomp import get_decompositions
+
+    return get_decompositions([torch.ops.aten.silu_backward.default])
 
 
 def op_types(graph) -> list:
