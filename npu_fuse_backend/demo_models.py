@@ -332,8 +332,8 @@ class DeepSeekMLA(nn.Module):
         keys = kv_cache.view(-1, c.kv_lora + c.rope)[context_slots]  # [T, L, 576]
         scores = torch.einsum("tnd,tld->tnl", q_full.float(), keys.float()) / math.sqrt(c.nope + c.rope)
         latent = torch.einsum("tnl,tlc->tnc", scores.softmax(-1), keys[..., : c.kv_lora].float())
-        out = torch.einsum("tnc,ncv->tnv", latent, self.w_uv.float()).to(x.dtype)
-        return self.o_proj(out.reshape(out.shape[0], -1))
+        out = torch.einsum("tnc,ncv->tnv", latent, self.w_uv.float())
+        return self.o_proj(out.reshape(out.shape[0], -1).to(x.dtype))
 
 
 def mla_decode_inputs(cfg: MLAConfig, tokens: int, step: int, dtype=torch.bfloat16, seed: int = 0):

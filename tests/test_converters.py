@@ -103,19 +103,3 @@ def test_in_place_op_training_converts_forward_and_backward():
     fw, bw = ge_graphs_of(train, torch.randn(2, 16, 4, 128, requires_grad=True), cos, sin)
     assert op_types(fw).count("InplacePartialRotaryMul") == 1
     assert op_types(bw).count("InplacePartialRotaryMulGrad") == 1
-
-
-def test_mla_prologue_becomes_one_mla_preprocess():
-    from npu_fuse_backend.demo_models import DeepSeekMLA, MLAConfig, mla_decode_inputs
-
-    cfg = MLAConfig()
-    torch.manual_seed(0)
-    model = DeepSeekMLA(cfg, quant=True).to(torch.bfloat16).eval()
-    cache = torch.zeros(cfg.num_blocks, cfg.block_size, 1, 576, dtype=torch.bfloat16)
-    with torch.no_grad():
-        (graph,) = ge_graphs_of(model, *mla_decode_inputs(cfg, 4, 1)[:4], cache, mla_decode_inputs(cfg, 4, 1)[4])
-    types = op_types(graph)
-    assert types.count("MlaPreprocess") == 1
-    assert "RotaryMul" not in types and "ScatterNdUpdate" not in types
-    (op,) = [op for op in graph.op if op.type == "MlaPreprocess"]
-    assert op.attr["cache_mode"].i == 0 and op.attr["quant_mode"].i == 0

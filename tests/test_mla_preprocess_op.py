@@ -235,3 +235,84 @@ def test_every_bad_input_is_a_clear_error(changes, message):
     fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode, pytest.raises(ValueError, match=message):  # the fake kernel checks the same rules
         run_op({k: fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in a.items()}, kw)
+
+
+# -- the eager NPU kernel, against torch_npu's ATB binding as the wheel registers it ----------------
+def atb_schema():
+    """``atb::npu_mla_preprocess``'s schema, read from the torch_npu wheel's op library (torch_npu
+    itself cannot be imported here)."""
+    import re
+
+    from torchair_offline import TORCH_NPU_DIR
+
+    library = TORCH_NPU_DIR / "torch_npu" / "lib" / "libop_plugin_atb.so"
+    if not library.is_file():
+        pytest.skip("torch_npu not fetched: run `make test`")
+    found = re.search(rb"npu_mla_preprocess\(Tensor input[ -~]*?\) -> \([ -~]*?\)", library.read_bytes())
+    return torch._C.parse_schema("atb::" + found.group(0).decode())
+
+
+def fake_atb(calls):
+    """torch_npu.atb.npu_mla_preprocess as its schema and doc define it: every call checked against
+    the schema; ATB's semantics (skip slot < 0, string modes, int64 fp16 descale) run on the reference."""
+    schema = atb_schema()
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    keywords = {a.name: a for a in schema.arguments if a.kwarg_only}
+
+    def npu_mla_preprocess(*args, **kwargs):
+        calls.append(kwargs)
+        assert len(args) == len(positional), f"{len(args)} positional arguments, the schema has {len(positional)}"
+        assert set(kwargs) <= set(keywords), f"unknown keywords {set(kwargs) - set(keywords)}"
+        for spec, value in [*zip(positional, args), *((keywords[k], v) for k, v in kwargs.items())]:
+            if not isinstance(spec.type, torch.OptionalType):
+                assert isinstance(value, torch.Tensor), f"{spec.name} is a Tensor in the schema, got {value!r}"
+        assert kwargs["cache_mode"] in ("krope_ctkv", "int8_nzcache", "nzcache")
+        assert kwargs["quant_mode"] in ("per_tensor_quant_asymm", "per_token_quant_symm")
+        a = dict(zip([p.name for p in positional], args), **kwargs)
+        assert a["slotmapping"].dtype == torch.int32 and bool((a["slotmapping"] >= 0).all())  # ATB skips < 0
+        for name in ("descale0", "descale1"):
+            if a[name].dtype == torch.int64:  # fp16: the float32 bits
+                a[name] = a[name].to(torch.int32).view(torch.float32)
+        a.update(cache_mode={"krope_ctkv": 1, "int8_nzcache": 2, "nzcache": 3}[a["cache_mode"]],
+                 quant_mode={"per_tensor_quant_asymm": 0, "per_token_quant_symm": 1}[a["quant_mode"]],
+                 epsilon=M.ATB_EPSILON)
+        q0, q1 = M._run(a)
+        return q0, a["kv_cache"], q1, a["kv_cache_rope"]
+
+    return npu_mla_preprocess
+
+
+@pytest.mark.parametrize("cache_mode", [0, 1, 3])
+@pytest.mark.parametrize("dtype, quantized", [(torch.bfloat16, True), (torch.float16, True), (torch.bfloat16, False)])
+def test_npu_kernel_calls_atb_as_its_schema_says_and_keeps_the_ops_meaning(monkeypatch, cache_mode, dtype, quantized):
+    import npu_fuse_backend as nf
+
+    calls = []
+    monkeypatch.setattr(M, "_atb_mla_preprocess", lambda: fake_atb(calls))
+    a, kw = make_inputs(dtype=dtype, cache_mode=cache_mode, quantized=quantized)
+    a["slotmapping"][1] = -2  # Python indexing: the second slot from the end
+    expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+    q0, q1 = M._run({**M.bind_args((), {**expected, **kw}), "epsilon": M.ATB_EPSILON})
+    with nf.config.patch(soc="Ascend910B"):
+        got = M.mla_preprocess_npu({**M.bind_args((), {**a, **kw}), "epsilon": M.ATB_EPSILON})
+    assert len(calls) == 1
+    torch.testing.assert_close(got[0].float(), q0.float(), atol=0, rtol=0)
+    torch.testing.assert_close(got[1].float(), q1.float(), atol=0, rtol=0)
+    for cache in ("kv_cache", "kv_cache_rope"):
+        assert torch.equal(a[cache], expected[cache])
+
+
+def test_npu_kernel_runs_the_reference_where_atb_has_no_kernel(monkeypatch):
+    import npu_fuse_backend as nf
+
+    monkeypatch.setattr(M, "_atb_mla_preprocess", lambda: pytest.fail("ATB called"))
+    a, kw = make_inputs()
+    for soc, eps in (("Ascend950", M.ATB_EPSILON), ("Ascend910B", 1e-5)):  # no ATB kernel; another epsilon
+        with nf.config.patch(soc=soc):
+            M.mla_preprocess_npu({**M.bind_args((), {**a, **kw}), "epsilon": eps})
+
+
+def test_npu_kernel_is_registered_for_the_op():
+    from npu_fuse_backend.lowering import registry
+
+    assert any(fn is M._mla_preprocess_npu for _, fn in registry._npu_kernels)

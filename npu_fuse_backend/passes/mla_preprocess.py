@@ -360,7 +360,7 @@ def _check_op_contract(ctx: PassContext, p: Prologue) -> None:
         beta1=val(p.norm1.beta) if p.norm1.beta is not None else fake([mla.Q_LORA], x.dtype),
         gamma0=val(p.norm0.gamma) if p.norm0 else fake([hidden], x.dtype),
         beta0=val(p.norm0.beta) if p.norm0 and p.norm0.beta is not None else fake([hidden], x.dtype),
-        cos=val(p.cos), sin=val(p.sin), wuk=val(p.w_uk), kv_cache=val(p.cache), kv_cache_rope=fake([0], x.dtype),
+        cos=val(p.cos), sin=val(p.sin), wuk=val(p.w_uk), kv_cache=val(p.cache), kv_cache_rope=fake([0], torch.float32),
         slotmapping=val(p.slots), cache_mode=mla.KVCACHE, quant_mode=mla.PER_TENSOR_QUANT_ASYMM, epsilon=p.eps)
     for i, lin in ((0, p.qkv_lin), (1, p.q_lin)):
         q = lin.quant
@@ -461,7 +461,7 @@ def _build(b: GraphBuilder, p: Prologue, q_out: Node, new_cache: Node) -> dict:
     if not p.python_indexes:  # index_copy_/scatter_ refuse a negative slot: make it one the op refuses
         slot_count = val(p.cache).shape[0] * val(p.cache).shape[1]
         slots = b.call(aten.masked_fill.Scalar, slots, b.call(aten.lt.Scalar, slots, 0), slot_count)
-    kv_rope = full([0], 0.0, dtype)
+    kv_rope = full([0], 0.0, torch.float32)  # unused in KVCACHE mode; its (zero-byte) copy keeps a plain dtype
     kwargs: dict[str, Any] = dict(cache_mode=mla.KVCACHE, quant_mode=mla.PER_TENSOR_QUANT_ASYMM, epsilon=p.eps)
     if quant0:
         kwargs.update(quant_scale0=quant0.quantize.scale, quant_offset0=quant0.quantize.offset, bias0=bias0,
