@@ -48,7 +48,7 @@ from torchair._ge_concrete_graph.fx2ge_converter import declare_supported, regis
 from torchair._ge_concrete_graph.supported_declaration import BF16, F32, I8, I32, I64, Support
 from torchair.ge import attr, custom_op
 from torchair._ge_concrete_graph.utils import specific_op_input_layout
-from torchair.ge._ge_graph import DataType, Tensor
+from torchair.ge._ge_graph import DataType, Tensor, torch_type_to_ge_type
 
 from ..lowering.ops import mla_preprocess as mla
 from ..soc import A2_A3, resolve_soc
@@ -66,12 +66,21 @@ def _tokens_heads(a) -> tuple:
     return a["input"].symsize[0], a["wuk"].symsize[0]
 
 
+def _dtype(t: Tensor):
+    """A converter input's GE dtype, from its FX value (the desc of a GE op's output may not know it)."""
+    return torch_type_to_ge_type(t.meta.dtype) if isinstance(t.meta, torch.Tensor) else t.dtype
+
+
+def _quantized(a) -> bool:
+    return _dtype(a["wdqkv"]) == DataType.DT_INT8
+
+
 def _const(value, dtype) -> Tensor:
     return ge.Const(value, dtype=dtype)
 
 
 def _f32(t: Tensor) -> Tensor:
-    return t if t.dtype == DataType.DT_FLOAT else ge.Cast(t, dst_type=DataType.DT_FLOAT)
+    return t if _dtype(t) == DataType.DT_FLOAT else ge.Cast(t, dst_type=DataType.DT_FLOAT)
 
 
 def _fill(shape, value, dtype) -> Tensor:
@@ -119,7 +128,7 @@ def convert_mla_preprocess(input, gamma0, beta0, wdqkv, descale0, gamma1, beta1,
     stages = _with_mla_preprocess(a) if _uses_mla_preprocess(a) else _stage_by_stage(a)
     q_out0, q_out1, rows = stages
     if cache_mode == mla.KVCACHE:  # q_out1 is empty in this mode; emitted before the scatter (the last op)
-        q_out1 = _fill([0], 0, input.dtype)
+        q_out1 = _fill([0], 0, _dtype(input))
     else:
         _scatter_rows(kv_cache_rope, rows[1], slotmapping)
     # kv_cache last: torchair binds the updated cache to an output of the last op only
@@ -142,7 +151,7 @@ def _scatter_rows(cache: Tensor, rows: Tensor, slots: Tensor) -> Tensor:
 # -- Atlas A2/A3: MlaPreprocess into a scratch cache ----------------------------------------------
 def _with_mla_preprocess(a) -> tuple:
     x = a["input"]
-    dtype, quantized = x.dtype, a["wdqkv"].dtype == DataType.DT_INT8
+    dtype, quantized = _dtype(x), _quantized(a)
     tokens, heads = _tokens_heads(a)
     kv_width = mla.KV_LORA + mla.ROPE if a["cache_mode"] == mla.KVCACHE else mla.KV_LORA
     blocks = -(-tokens // SCRATCH_BLOCK)
@@ -184,23 +193,23 @@ def _with_mla_preprocess(a) -> tuple:
 
 
 # -- elsewhere: the stages in ordinary GE ops ------------------------------------------------------
-def _rms_norm(x: Tensor, gamma: Tensor, beta, eps: float) -> Tensor:
-    """x * rsqrt(mean(x^2, -1) + eps) * gamma [+ beta] in fp32, rounded once to x's dtype."""
+def _rms_norm(x: Tensor, gamma: Tensor, beta, eps: float, dtype) -> Tensor:
+    """x * rsqrt(mean(x^2, -1) + eps) * gamma [+ beta] in fp32, rounded once to ``dtype``."""
     xf = _f32(x)
     mean = ge.ReduceMean(ge.Mul(xf, xf), _const([-1], DataType.DT_INT64), keep_dims=True)
     y = ge.Mul(ge.Mul(xf, ge.Rsqrt(ge.Add(mean, _const(eps, DataType.DT_FLOAT)))), _f32(gamma))
     if beta is not None:
         y = ge.Add(y, _f32(beta))
-    return ge.Cast(y, dst_type=x.dtype)
+    return ge.Cast(y, dst_type=dtype)
 
 
 def _projection(h: Tensor, w: Tensor, a, i: int, norm) -> Tensor:
-    """Stage 1/4 + 2/5: [RMSNorm + quantize,] h @ w^T [, dequantize] in h's dtype."""
-    dtype, eps = h.dtype, a["epsilon"]
-    if w.dtype != DataType.DT_INT8:
-        h = _rms_norm(h, *norm, eps) if norm else h
+    """Stage 1/4 + 2/5: [RMSNorm + quantize,] h @ w^T [, dequantize], in the input's dtype."""
+    dtype, eps = _dtype(a["input"]), a["epsilon"]
+    if not _quantized(a):
+        h = _rms_norm(h, *norm, eps, dtype) if norm else h
         return ge.MatMulV2(h, w, None, None, transpose_x2=True)
-    y = _f32(_rms_norm(h, *norm, eps))
+    y = _f32(_rms_norm(h, *norm, eps, dtype))
     q = ge.Round(ge.Add(ge.Div(y, _f32(a[f"quant_scale{i}"])), _f32(a[f"quant_offset{i}"])))
     q = ge.Cast(ge.ClipByValue(q, _const(-128.0, DataType.DT_FLOAT), _const(127.0, DataType.DT_FLOAT)),
                 dst_type=DataType.DT_INT8)
@@ -223,8 +232,7 @@ def _rope(x4: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def _stage_by_stage(a) -> tuple:
     x = a["input"]
     _, heads = _tokens_heads(a)
-    quantized = a["wdqkv"].dtype == DataType.DT_INT8
-    norm0 = (a["gamma0"], a["beta0"]) if quantized else None
+    norm0 = (a["gamma0"], a["beta0"]) if _quantized(a) else None
     qkv = _projection(x, a["wdqkv"], a, 0, norm0)  # [T, 2112]
     q_latent = _slice(qkv, [0, 0], [-1, mla.Q_LORA])
     kv_latent = _slice(qkv, [0, mla.Q_LORA], [-1, mla.KV_LORA])
@@ -234,7 +242,7 @@ def _stage_by_stage(a) -> tuple:
     q_nope = _slice(q, [0, 0, 0, 0], [-1, -1, -1, mla.NOPE])
     q_rope = _rope(_slice(q, [0, 0, 0, mla.NOPE], [-1, -1, -1, mla.ROPE]), a["cos"], a["sin"])
     k_rope = _rope(ge.Reshape(k_rope, _const([1, -1, 1, mla.ROPE], DataType.DT_INT64)), a["cos"], a["sin"])
-    ctkv = _rms_norm(kv_latent, a["gamma2"], None, a["epsilon"])
+    ctkv = _rms_norm(kv_latent, a["gamma2"], None, a["epsilon"], _dtype(x))
     # weight absorption: [N, T, 128] @ [N, 128, 512] -> [T, N, 512]
     q_nope = ge.Transpose(ge.Reshape(q_nope, _const([-1, heads, mla.NOPE], DataType.DT_INT64)),
                           _const([1, 0, 2], DataType.DT_INT64))

@@ -118,20 +118,24 @@ def test_a_cann_without_mla_preprocess_gets_the_stages_in_ordinary_ops():
 
 
 def _direct_call(cache_mode, dtype=torch.bfloat16, quantized=False):
+    """(step, args): one direct op call whose every tensor is a graph input (Data i = args[i])."""
     from mla_inputs import make_inputs
 
     a, kw = make_inputs(tokens=TOKENS, heads=16, cache_mode=cache_mode, quantized=quantized, dtype=dtype)
-    names = [n for n in M.ARG_NAMES if not (n == "kv_cache_rope" and cache_mode == M.KVCACHE)]
-    args = [a[n] for n in names]
-    extra = {k: v for k, v in a.items() if k not in M.ARG_NAMES}
+    if cache_mode == M.KVCACHE:
+        del a["kv_cache_rope"]  # unused: made inside the step, not a graph input
+    names = list(a)
 
     def step(*args):
+        for t in args:  # dynamo makes graph inputs in the order of first use: make it the order of args
+            t.shape
         given = dict(zip(names, args))
-        given.setdefault("kv_cache_rope", torch.empty(0))  # KVCACHE: unused, not a graph input
-        q0, _, q1, _ = M.mla_preprocess(*[given[n] for n in M.ARG_NAMES], **extra, **kw)
-        return q0.sum() + q1.sum()
+        given.setdefault("kv_cache_rope", torch.empty(0))
+        positional = [given.pop(n) for n in M.ARG_NAMES]
+        q0, _, q1, _ = M.mla_preprocess(*positional, **given, **kw)
+        return q0, q1
 
-    return step, args
+    return step, [a[n] for n in names]
 
 
 def test_a_direct_krope_ctkv_call_scatters_both_caches():
@@ -171,3 +175,29 @@ def test_nz_cache_modes_are_refused_by_the_conversion_with_the_reason():
     with nf.config.patch(soc="Ascend910B"), torch.no_grad(), \
             pytest.raises(Exception, match="cache_mode 3 / quant_mode 0 is not converted"):
         ge_graphs_of(step, *args)
+
+
+@pytest.mark.parametrize("soc", ["Ascend910B", "Ascend950"])
+@pytest.mark.parametrize("cache_mode", [M.KVCACHE, M.KROPE_CTKV])
+@pytest.mark.parametrize("dtype, quantized", [(torch.bfloat16, True), (torch.float16, True), (torch.bfloat16, False)],
+                         ids=["bf16-w8a8", "fp16-w8a8", "bf16"])
+def test_the_ge_graph_computes_what_the_op_computes(soc, cache_mode, dtype, quantized):
+    """The emitted GE graph, run op by op (tests/ge_eval.py; MlaPreprocess as its contract), gives
+    the reference kernel's outputs and caches, a negative slot included (make_inputs: slot -1)."""
+    from ge_eval import run_graph
+
+    step, args = _direct_call(cache_mode, dtype, quantized)
+    with nf.config.patch(soc=soc), torch.no_grad():
+        (graph,) = ge_graphs_of(step, *[t.clone() for t in args])
+        expected_args = [t.clone() for t in args]
+        expected = step(*expected_args)
+    got_args = [t.clone() for t in args]
+    outputs = run_graph(graph, got_args)
+    for g, e in zip(outputs[:2], expected):
+        torch.testing.assert_close(g.float(), e.float(), atol=2e-2, rtol=2e-2)
+    cache = next(i for i, t in enumerate(args) if t.dim() == 4 and t.shape[-1] in (512, 576))
+    torch.testing.assert_close(got_args[cache].float(), expected_args[cache].float(), atol=2e-2, rtol=2e-2)
+    for i, (before, e) in enumerate(zip(args, expected_args)):  # other mutated inputs: written back from
+        if i != cache and not torch.equal(before, e):  # a graph output by torchair's runner
+            assert any(o.shape == e.shape and torch.allclose(o.float(), e.float(), atol=2e-2, rtol=2e-2)
+                       for o in outputs[2:])
