@@ -51,7 +51,8 @@ from torchair._ge_concrete_graph.utils import specific_op_input_layout
 from torchair.ge._ge_graph import DataType, Tensor, torch_type_to_ge_type
 
 from ..lowering.ops import mla_preprocess as mla
-from ..soc import A2_A3, resolve_soc
+from ..soc import A2_A3, ASCEND950, GENERIC
+from .common import declare_ge_ops, target_soc
 
 # MlaPreprocess's 24 required inputs, in op-def order, and where each comes from
 GE_INPUTS = ("input", "gamma_0", "beta_0", "quant_scale_0", "quant_offset_0", "wdqkv", "descale_0", "bias_0",
@@ -104,7 +105,16 @@ def _mla_preprocess_registered() -> bool:
 
 def _uses_mla_preprocess(a) -> bool:
     tokens, _ = _tokens_heads(a)
-    return resolve_soc() in A2_A3 and isinstance(tokens, int) and _mla_preprocess_registered()
+    return target_soc() in A2_A3 and isinstance(tokens, int) and _mla_preprocess_registered()
+
+
+# what the conversion cannot do without (version tolerance): MlaPreprocess is taken when the installed
+# CANN has it, else the stages are spelled out (RotaryPositionEmbedding), so neither is required on A2/A3
+declare_ge_ops("mla_preprocess", {
+    **{soc: ("ScatterNdUpdate",) for soc in A2_A3},
+    ASCEND950: ("RotaryPositionEmbedding", "ScatterNdUpdate"),
+    GENERIC: ("RotaryPositionEmbedding", "ScatterNdUpdate"),
+})
 
 
 @declare_supported([

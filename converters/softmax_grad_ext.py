@@ -1,10 +1,29 @@
-"""npu_fuse::softmax_grad_ext -> GE SoftmaxGradExt (one fused op; axes = the last dim)."""
+"""npu_fuse::softmax_grad_ext -> GE SoftmaxGradExt (one fused op; axes = the last dim).
+
+The op-def (ops-nn ``activation/softmax_grad_ext/op_host/softmax_grad_ext_def.cpp``) has one
+AICore config, ascend950, so the fusion is offered there only: on Atlas A2/A3 the op's
+``@soc_limits`` refuses it, and under "generic" (no NPU known; a GE graph may use only ops every
+SoC has) the torchair lowering reports it as a near-miss (``declare_ge_ops``). A direct call of
+the op elsewhere converts to what the unfused graph has, ``SoftmaxGrad`` and ``Mul`` (both on
+every SoC). torchair's raw builder writes both attrs (axes Int, keep_dims Bool), as the op-def
+types them.
+"""
 
 import torch
 from torchair._ge_concrete_graph import ge_apis as ge
 from torchair._ge_concrete_graph.fx2ge_converter import declare_supported, register_fx_node_ge_converter
 from torchair._ge_concrete_graph.supported_declaration import BF16, F16, F32, Support
 from torchair.ge._ge_graph import Tensor, TensorSpec
+
+from ..soc import A2_A3, ASCEND950, GENERIC
+from .common import declare_ge_ops, target_soc
+
+ONLY_950 = "the SoftmaxGradExt GE op exists on Ascend950 only"  # ops-nn softmax_grad_ext op-def
+declare_ge_ops("softmax_grad_ext", {
+    ASCEND950: ("SoftmaxGradExt",),
+    GENERIC: f"{ONLY_950}; a generic GE graph uses only ops every SoC has",
+    **{soc: f"{ONLY_950}, not {soc}" for soc in A2_A3},
+})
 
 
 @declare_supported([
@@ -15,4 +34,6 @@ from torchair.ge._ge_graph import Tensor, TensorSpec
 @register_fx_node_ge_converter(torch.ops.npu_fuse.softmax_grad_ext.default)
 def convert_softmax_grad_ext(grad: Tensor, x1: Tensor, x2: Tensor, axes=(-1,), keep_dims: bool = True,
                              meta_outputs: TensorSpec = None):
-    return ge.SoftmaxGradExt(grad, x1, x2, axes=axes[0], keep_dims=keep_dims)
+    if target_soc() == ASCEND950:
+        return ge.SoftmaxGradExt(grad, x1, x2, axes=axes[0], keep_dims=keep_dims)
+    return ge.Mul(ge.SoftmaxGrad(x1, grad, axes=list(axes)), x2)

@@ -3,18 +3,30 @@
 The fusion passes run as torchair's ``post_grad_custom_pre_pass``: on the
 functionalized aten graph, before torchair's own FX passes and before the FX->GE
 conversion, where our converters (``converters/``) turn each fused op into its GE op.
+Around them (``torchair_pre_pass``):
+
+- version tolerance: a fused op whose GE ops the installed CANN lacks (its converter
+  declares them per SoC, ``converters/common.py``) is passed to the passes as unsupported,
+  so its fusions become near-misses naming the missing op and the compile goes on;
+- no copies of mutated graph inputs: in GE mode, a fused in-place op on a graph input is
+  re-inplaced (``reinplace_graph_inputs``; the evidence is in
+  ``converters/inplace_partial_rotary_mul.py``).
 """
 
 import copy
 import importlib
+import operator
 import pkgutil
 import sys
 from typing import Any, Callable
 
 import torch
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
+from ..soc import resolve_soc, unknown_soc_reason
 from .registry import register_npu_kernels
+
+GE_MODE = "max-autotune"  # torchair's GE graph mode (reduce-overhead runs aclgraph, with eager kernels)
 
 
 def import_torchair():
@@ -41,6 +53,106 @@ def load_converters() -> None:
         importlib.import_module(f"{converters.__name__}.{info.name}")
 
 
+def unsupported_ops(soc: str) -> dict:
+    """{fused op name: why the torchair lowering cannot take it on ``soc`` with the installed CANN}."""
+    from torchair.core import _torchair
+
+    from ..converters.common import GE_OPS
+
+    load_converters()
+    reasons = {}
+    for fused_op, per_soc in GE_OPS.items():
+        needed = per_soc.get(soc, unknown_soc_reason(soc) or f"no GE lowering of {fused_op} for {soc}")
+        if isinstance(needed, str):
+            reasons[fused_op] = needed
+            continue
+        for ge_op in needed:
+            status = _torchair.get_registered_ir_def(ge_op)[0]
+            if status != "SUCCESS":
+                reasons[fused_op] = (f"the installed CANN has no GE op {ge_op} (needed by {fused_op} on {soc}; "
+                                     f"get_registered_ir_def: {status})")
+                break
+    return reasons
+
+
+def _mutated_args(op) -> list:
+    return [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _write_back_only(node: Node) -> dict:
+    """For an auto_functionalized_v2 node whose every mutated argument is a whole graph input
+    that nothing else reads and whose new value only goes back into it (``copy_``):
+    {argument name: (placeholder, its getitem, its copy_)}; else {}."""
+    op = node.args[0]
+    names = _mutated_args(op)
+    n_outputs = max(1, len(op._schema.returns))  # a () op still has one (None) result slot
+    found = {}
+    for i, name in enumerate(names):
+        if f"_{name}_base_index" not in node.kwargs or f"_{name}_size" in node.kwargs:
+            return {}
+        base = node.kwargs["_all_bases"][node.kwargs[f"_{name}_base_index"]]
+        gets = [u for u in node.users if u.target is operator.getitem and u.args[1] == n_outputs + i]
+        if base.op != "placeholder" or len(gets) != 1 or len(gets[0].users) != 1:
+            return {}
+        (copy_,) = gets[0].users
+        if copy_.target is not torch.ops.aten.copy_.default or copy_.args[0] is not base or copy_.users:
+            return {}
+        if set(base.users) != {node, copy_}:
+            return {}
+        found[name] = (base, gets[0], copy_)
+    if len(node.users) != len(found):  # another result of the op is read
+        return {}
+    return found
+
+
+def reinplace_graph_inputs(gm: GraphModule) -> int:
+    """``auto_functionalized_v2(op, x)`` + ``copy_(x, new x)`` -> ``op(x)`` on the graph input itself.
+
+    The pattern torchair's own ``recover_view_inplace_pattern`` turns back into its in-place
+    scatter ops, for the fused ops whose converter declares it can convert them in place
+    (``declare_in_place_on_graph_inputs``): the GE op then updates the input's memory and
+    torchair's TensorMove copy of it never appears. Only where nothing else reads the input.
+    Returns how many calls were re-inplaced.
+    """
+    from ..converters.common import IN_PLACE_ON_GRAPH_INPUTS
+
+    graph = gm.graph
+    count = 0
+    for node in list(graph.nodes):
+        if node.target is not torch.ops.higher_order.auto_functionalized_v2 or \
+                node.args[0] not in IN_PLACE_ON_GRAPH_INPUTS:
+            continue
+        found = _write_back_only(node)
+        if not found:
+            continue
+        op = node.args[0]
+        kwargs = {k: v for k, v in node.kwargs.items() if not k.startswith("_")}
+        kwargs.update({name: base for name, (base, _, _) in found.items()})
+        with graph.inserting_before(node):
+            in_place = graph.call_function(op, kwargs=kwargs)
+        in_place.meta["val"] = None
+        for base, get, copy_ in found.values():
+            graph.erase_node(copy_)
+            graph.erase_node(get)
+        graph.erase_node(node)
+        count += 1
+    if count:
+        graph.lint()
+        gm.recompile()
+    return count
+
+
+def torchair_pre_pass(graph_pass: Callable[..., Any]) -> Callable:
+    """What runs as torchair's ``post_grad_custom_pre_pass``: the fusion passes (told which fused
+    ops the installed CANN cannot take) and, in GE mode, the re-inplacing of graph inputs."""
+    def pre_pass(aten_gm: GraphModule, inputs, config) -> None:
+        graph_pass(aten_gm, "torchair", unsupported_ops=unsupported_ops(resolve_soc()))
+        if config.mode.value == GE_MODE:
+            reinplace_graph_inputs(aten_gm)
+
+    return pre_pass
+
+
 def compile_with_torchair(gm: GraphModule, example_inputs, graph_pass: Callable[[GraphModule, str], Any],
                           compiler_config=None):
     torchair = import_torchair()
@@ -52,9 +164,10 @@ def compile_with_torchair(gm: GraphModule, example_inputs, graph_pass: Callable[
     # a copy: installing our pre-pass must not change (and stack up on) the caller's config
     cfg = copy.deepcopy(compiler_config) if compiler_config is not None else CompilerConfig()
     user_pre_pass = cfg.post_grad_custom_pre_pass.value
+    fuse = torchair_pre_pass(graph_pass)
 
     def pre_pass(aten_gm: GraphModule, inputs, config):
-        graph_pass(aten_gm, "torchair")
+        fuse(aten_gm, inputs, config)
         if user_pre_pass is not None:
             user_pre_pass(aten_gm, inputs, config)
 

@@ -11,7 +11,7 @@
 - ``@soc_limits(op)``: ``fn(soc, *args, **kwargs) -> reason or None``, the limits the
   op's NPU kernel has on a SoC ("generic": no SoC known), checked by the pass manager on
   every call a fusion inserts (fake arguments), so a rewrite the SoC cannot run is a
-  near-miss naming the limit.
+  near-miss naming the limit. An unrecognised NPU is refused before ``fn`` is asked.
 
 Every module in ``lowering/ops`` is imported by :func:`load_ops`, so adding an op
 touches nothing here; the names in each module's ``__all__`` are its public entry
@@ -24,6 +24,8 @@ from typing import Callable
 
 import torch
 import torch.utils._pytree as pytree
+
+from ..soc import unknown_soc_reason
 
 DECOMPOSITIONS: dict = {}
 SOC_LIMITS: dict = {}
@@ -42,7 +44,10 @@ def decomposition(op: torch._ops.OpOverload) -> Callable:
 
 def soc_limits(op: torch._ops.OpOverload) -> Callable:
     def register(fn: Callable) -> Callable:
-        SOC_LIMITS[op] = fn
+        def checked(soc: str, *args, **kwargs):
+            return unknown_soc_reason(soc) or fn(soc, *args, **kwargs)
+
+        SOC_LIMITS[op] = checked
         return fn
 
     return register

@@ -20,8 +20,8 @@ violations, each naming its rule:
 - ``format``: an input whose format the op-def fixes (e.g. FRACTAL_NZ) has that format;
 - ``output-names``: outputs in IR order with IR names (an unnamed output is positional).
 
-``input_copies(graph)`` lists the TensorMove copies of graph inputs (``Data``) left in a
-graph: each is a full copy of a mutated input made on every call.
+``input_copies(graph)`` lists the TensorMove copies of mutated graph inputs (``Data``) left
+in a graph: each is a full copy of the input made on every call.
 """
 
 import dataclasses
@@ -209,7 +209,12 @@ def check_graph(graph, soc: str, table: Optional[dict] = None) -> list:
     return [v for op in graph.op for v in check_node(op, soc, table, producers)]
 
 
-def input_copies(graph) -> list:
-    """Names of the TensorMove ops that copy a graph input (a Data)."""
-    data = {f"{op.name}:0" for op in graph.op if op.type == "Data"}
+def input_copies(graph, mutated_inputs=None) -> list:
+    """Names of the TensorMove ops that copy a mutated graph input (a Data). ``mutated_inputs``:
+    the names of the mutated inputs (default: the graph's ``mutated_inputs``, else every Data;
+    a copy of an input the function does not mutate is its functional result, not waste)."""
+    if mutated_inputs is None:
+        mutated_inputs = getattr(graph, "mutated_inputs", None)
+    data = {f"{op.name}:0" for op in graph.op
+            if op.type == "Data" and (mutated_inputs is None or op.name in mutated_inputs)}
     return [op.name for op in graph.op if op.type == "TensorMove" and op.input and op.input[0] in data]

@@ -48,6 +48,24 @@ def test_an_op_the_proxy_does_not_know_fails_the_conversion(ta):
         ge.custom_op("NoSuchFusedOp", inputs={}, outputs=["y"])
 
 
+def test_a_raw_builders_op_the_installed_cann_lacks_fails_the_conversion(ta):
+    """torchair's raw builders (RotaryMul) never ask the registry: the offline conversion does."""
+    import torch
+
+    import npu_fuse_backend as nf
+    from npu_fuse.ops import rotary_mul
+    from torchair_offline import ge_graphs_of, hidden_ops
+
+    def direct(x, cos, sin):  # no fusion, so nothing consults the installed CANN beforehand
+        return rotary_mul(x, cos, sin, "half") * 2
+
+    args = torch.randn(2, 16, 4, 64), torch.randn(1, 16, 1, 64), torch.randn(1, 16, 1, 64)
+    with nf.config.patch(soc="Ascend910B"):
+        assert ge_graphs_of(direct, *args)
+        with hidden_ops("RotaryMul"), pytest.raises(Exception, match=r"not registered .*\['RotaryMul'\]"):
+            ge_graphs_of(direct, *args)
+
+
 def test_check_cann_compat_checks_optional_inputs_and_attrs(ta):
     from torchair.core import _torchair
 

@@ -114,9 +114,23 @@ def load_torchair_offline():
     return torchair
 
 
-def ge_graphs_of(fn, *args, dynamic=False, fusion=True):
-    """Compile fn through AOTAutograd + the npu_fuse passes + torchair's FX->GE
-    conversion, run it eagerly, and return the GE GraphDefs (fw, then bw if any)."""
+class ConvertedGraph:
+    """A GE GraphDef (attribute reads go to it) and the names of the graph inputs (Data) the
+    compiled function mutates."""
+
+    def __init__(self, proto, mutated_inputs: tuple):
+        self.proto = proto
+        self.mutated_inputs = mutated_inputs
+
+    def __getattr__(self, name):
+        return getattr(self.proto, name)
+
+
+def ge_graphs_of(fn, *args, dynamic=False, fusion=True, config=None):
+    """Compile fn through AOTAutograd and torchair's compiler with the npu_fuse lowering's pre-pass
+    (the fusion passes, version tolerance, re-inplacing), run it eagerly, and return the GE
+    GraphDefs after torchair's GE passes (fw, then bw if any), built but never loaded. A graph
+    with an op type the proxy does not know fails, as GE would fail it."""
     import torch
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
@@ -125,17 +139,24 @@ def ge_graphs_of(fn, *args, dynamic=False, fusion=True):
     torchair = load_torchair_offline()
     from torchair.configs.compiler_config import CompilerConfig
 
-    from npu_fuse_backend.lowering.npu import load_converters
     from npu_fuse_backend import run_fusion_passes
+    from npu_fuse_backend.lowering.npu import load_converters, torchair_pre_pass
 
     load_converters()
-    to_ge = torchair.get_compiler(CompilerConfig())
+    cfg = config or CompilerConfig()
+    if fusion:
+        cfg.post_grad_custom_pre_pass = torchair_pre_pass(run_fusion_passes)
+    to_ge = torchair.get_compiler(cfg)
     graphs = []
 
     def one(gm, inputs):
-        if fusion:
-            run_fusion_passes(gm, "torchair")
-        graphs.append(to_ge(gm, inputs).runner.graph._proto)  # built, never loaded
+        mutated = [n.args[0].name for n in gm.graph.nodes  # AOTAutograd's epilogue writes them back
+                   if n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder"]
+        proto = to_ge(gm, inputs).runner.graph._proto  # the passes run on torchair's copy of gm
+        unknown = sorted({op.type for op in proto.op if known_ir(op.type) is None})
+        if unknown:  # raw builders never ask the registry; GE would refuse the graph
+            raise RuntimeError(f"GE op types not registered in the installed CANN: {unknown}")
+        graphs.append(ConvertedGraph(proto, tuple(mutated)))
         return make_boxed_func(gm.forward)
 
     torch._dynamo.reset()

@@ -15,7 +15,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..registry import decomposition, refuse_autograd
+from ...soc import A2_A3, ASCEND950, fits_layout
+from ..registry import decomposition, npu_kernel, refuse_autograd, soc_limits
 from ..rope_math import compute_dtype, rotate
 
 __all__ = ["inplace_partial_rotary_mul"]  # public entry points (npu_fuse.ops)
@@ -68,9 +69,13 @@ def check_inplace_partial_rotary_mul_args(x: Tensor, r1: Tensor, r2: Tensor, rot
                          schema="(Tensor(a!) x, " + SCHEMA_TAIL)
 def _inplace_partial_rotary_mul_op(x, r1, r2, *, rotary_mode="interleave", partial_slice=(0, 0)) -> None:
     check_inplace_partial_rotary_mul_args(x, r1, r2, rotary_mode, partial_slice, "npu_fuse.inplace_partial_rotary_mul")
+    rotate_slice_in_place(x, r1, r2, partial_slice)
+
+
+def rotate_slice_in_place(x: Tensor, r1: Tensor, r2: Tensor, partial_slice, adjoint: bool = False) -> None:
     start, end = partial_slice
     if start != end:
-        x[..., start:end] = partial_rotary_reference(x[..., start:end], r1, r2)
+        x[..., start:end] = partial_rotary_reference(x[..., start:end], r1, r2, adjoint)
 
 
 def partial_rotary_reference(x_slice: Tensor, r1: Tensor, r2: Tensor, adjoint: bool = False) -> Tensor:
@@ -92,9 +97,7 @@ def _inplace_partial_rotary_mul_backward_op(grad, r1, r2, *, rotary_mode="interl
                                             partial_slice=(0, 0)) -> None:
     check_inplace_partial_rotary_mul_args(grad, r1, r2, rotary_mode, partial_slice,
                                           "npu_fuse.inplace_partial_rotary_mul_backward")
-    start, end = partial_slice
-    if start != end:
-        grad[..., start:end] = partial_rotary_reference(grad[..., start:end], r1, r2, adjoint=True)
+    rotate_slice_in_place(grad, r1, r2, partial_slice, adjoint=True)
 
 
 @_inplace_partial_rotary_mul_backward_op.register_fake
@@ -113,6 +116,53 @@ def _functional(x, r1, r2, rotary_mode="interleave", partial_slice=(0, 0)):
 
 
 decomposition(torch.ops.npu_fuse.inplace_partial_rotary_mul.default)(_functional)
+# cos/sin broadcast layouts against x[..., start:end] (BSND) each SoC's kernel takes
+# (OT @ 116f7221 aclnnInplacePartialRotaryMul.md / @ 307cfaf2 aclnnInplacePartialRotaryMulGrad.md)
+TABLE_LAYOUTS = {soc: ("BS1D", "B11D") for soc in A2_A3}
+TABLE_LAYOUTS[ASCEND950] = ("BSND", "B1ND", "B11D", "111D")
+
+
+def partial_rope_soc_limits(soc, x, r1, r2, partial_slice):
+    if soc not in TABLE_LAYOUTS:
+        return None
+    start, end = partial_slice
+    slice_shape = list(x.shape[:3]) + [end - start]
+    for name, table in (("cos", r1), ("sin", r2)):
+        if not any(fits_layout(table.shape, slice_shape, layout) for layout in TABLE_LAYOUTS[soc]):
+            return (f"{name} layout {list(table.shape)} against x[..., {start}:{end}] {slice_shape} is not one of "
+                    f"{', '.join(TABLE_LAYOUTS[soc])} that {soc} accepts")
+    return None
+
+
+@soc_limits(torch.ops.npu_fuse.inplace_partial_rotary_mul.default)
+def _inplace_partial_rotary_mul_soc_limits(soc, x, r1, r2, rotary_mode="interleave", partial_slice=(0, 0)):
+    return partial_rope_soc_limits(soc, x, r1, r2, partial_slice)
+
+
+@soc_limits(torch.ops.npu_fuse.inplace_partial_rotary_mul_backward.default)
+def _inplace_partial_rotary_mul_backward_soc_limits(soc, grad, r1, r2, rotary_mode="interleave",
+                                                     partial_slice=(0, 0)):
+    # Ascend950: InplacePartialRotaryMulGrad; A2/A3: InplacePartialRotaryMul (see the converter): same layouts
+    return partial_rope_soc_limits(soc, grad, r1, r2, partial_slice)
+
+
+# Eager NPU kernels: torch_npu 2.13 has no inplace_partial_rotary_mul(_backward) (cann-ops.md), so they
+# are composed from aten ops, which run as NPU kernels: the rotation of the slice, written back.
+# (torch_npu's npu_rotary_mul cannot stand in: on A2/A3 its interleave mode takes only 11SD/1S1D/S11D
+# tables, not the BS1D/B11D ones this op takes.)
+@npu_kernel(_inplace_partial_rotary_mul_op)
+def _inplace_partial_rotary_mul_npu(x, r1, r2, *, rotary_mode="interleave", partial_slice=(0, 0)):
+    check_inplace_partial_rotary_mul_args(x, r1, r2, rotary_mode, partial_slice, "npu_fuse.inplace_partial_rotary_mul")
+    rotate_slice_in_place(x, r1, r2, partial_slice)
+
+
+@npu_kernel(_inplace_partial_rotary_mul_backward_op)
+def _inplace_partial_rotary_mul_backward_npu(grad, r1, r2, *, rotary_mode="interleave", partial_slice=(0, 0)):
+    check_inplace_partial_rotary_mul_args(grad, r1, r2, rotary_mode, partial_slice,
+                                          "npu_fuse.inplace_partial_rotary_mul_backward")
+    rotate_slice_in_place(grad, r1, r2, partial_slice, adjoint=True)
+
+
 refuse_autograd("inplace_partial_rotary_mul", "an input requires grad; call npu_fuse.ops.inplace_partial_rotary_mul, "
                 "whose autograd.Function records the backward")
 refuse_autograd("inplace_partial_rotary_mul_backward", "an input requires grad (no double backward)")

@@ -46,7 +46,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ...soc import A2_A3, ASCEND950, GENERIC
+from ...soc import A2_A3, GENERIC
 from ..registry import decomposition, npu_kernel, refuse_autograd, soc_limits
 from ..rope_math import rotate
 
@@ -392,10 +392,8 @@ def mla_preprocess_soc_limits(soc: str, *args, **kwargs) -> Optional[str]:
         return f"cache_mode {a['cache_mode']}: the GE conversion writes ND caches (KVCACHE 0, KROPE_CTKV 1) only"
     if a["quant_mode"] != PER_TENSOR_QUANT_ASYMM:
         return f"quant_mode {a['quant_mode']}: the GE op implements PER_TENSOR_QUANT_ASYMM (0) only"
-    if soc == ASCEND950:  # no MlaPreprocess there: the conversion spells the stages out in GE ops
+    if soc not in A2_A3:  # Ascend950: no MlaPreprocess there, the conversion spells the stages out in GE ops
         return None
-    if soc not in A2_A3:
-        return f"no MLA prologue lowering is known for {soc}"
     tokens, hidden = a["input"].shape
     heads = a["wuk"].shape[0]
     if not isinstance(tokens, int):

@@ -9,7 +9,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..registry import decomposition, npu_kernel
+from ...graph_utils import static_int
+from ...soc import A2_A3, ASCEND950, GENERIC, fits_layout
+from ..registry import decomposition, npu_kernel, soc_limits
 from ..rope_math import ROTARY_MODES, compute_dtype, rotate
 
 __all__ = ["rotary_mul", "rotary_mul_backward"]  # public entry points (npu_fuse.ops)
@@ -119,11 +121,79 @@ def _backward(ctx, grad):
 rotary_mul.register_autograd(_backward, setup_context=_setup_context)
 
 
+# -- SoC limits of the GE ops (RotaryMul / RotaryPositionEmbedding(+Grad)) --------------------------
+# Atlas A2/A3 (W torch_npu/_op_plugin_docs.py:3523-3560, npu_rotary_mul; OT @ c29bc106
+# aclnnRotaryPositionEmbedding.md): x BNSD, BSND or SBND, D < 896 and even; half mode: B, N < 1000
+# and cos/sin in the layouts below; interleave mode: B * N < 1000 and cos/sin 11SD / 1S1D / S11D only.
+A2_A3_MAX_HEAD_DIM = 896  # exclusive
+A2_A3_MAX_BN = 1000  # exclusive: B and N (half), B * N (interleave)
+A2_A3_TABLE_LAYOUTS = {  # x layout -> rotary_mode -> cos/sin layouts
+    "BNSD": {"half": ("11SD", "B1SD", "BNSD"), "interleave": ("11SD",)},
+    "BSND": {"half": ("1S1D", "BS1D", "BSND"), "interleave": ("1S1D",)},
+    "SBND": {"half": ("S11D", "SB1D", "SBND"), "interleave": ("S11D",)},
+}
+# Ascend950 (same doc): x read as B, S, N, D; D <= 1024; cos/sin in these layouts, every mode.
+A950_MAX_HEAD_DIM = 1024
+A950_TABLE_LAYOUTS = ("111D", "BSND", "B1ND", "BS1D", "11ND", "1S1D", "B11D")
+
+
+def rope_soc_limits(soc: str, x: Tensor, tables, rotary_mode: str) -> Optional[str]:
+    """Why the RoPE GE op of ``soc`` cannot take x with these cos/sin tables, or None."""
+    if soc == GENERIC:
+        return None
+    head_dim = static_int(x.shape[-1])
+    shapes = " / ".join(str(list(t.shape)) for t in tables)
+    if soc in A2_A3:
+        if head_dim is None or head_dim >= A2_A3_MAX_HEAD_DIM:
+            return (f"head dim {x.shape[-1]} must be static and < {A2_A3_MAX_HEAD_DIM} "
+                    "(RotaryMul/RotaryPositionEmbedding)")
+        for x_layout, per_mode in A2_A3_TABLE_LAYOUTS.items():
+            if all(any(fits_layout(t.shape, x.shape, lay) for lay in per_mode[rotary_mode]) for t in tables):
+                b, n = (static_int(x.shape[x_layout.index(c)]) for c in "BN")
+                if b is None or n is None:
+                    continue
+                if (b * n if rotary_mode == "interleave" else max(b, n)) < A2_A3_MAX_BN:
+                    return None
+        which = "B * N" if rotary_mode == "interleave" else "B and N"
+        layouts = "; ".join(f"x {xl}: cos/sin {', '.join(m[rotary_mode])}" for xl, m in A2_A3_TABLE_LAYOUTS.items())
+        return (f"cos/sin {shapes} against x {list(x.shape)}: {rotary_mode} mode takes {layouts}, "
+                f"with static {which} < {A2_A3_MAX_BN}")
+    if soc == ASCEND950:
+        if head_dim is None or head_dim > A950_MAX_HEAD_DIM:
+            return f"head dim {x.shape[-1]} must be static and <= {A950_MAX_HEAD_DIM} (RotaryPositionEmbedding)"
+        if not all(any(fits_layout(t.shape, x.shape, lay) for lay in A950_TABLE_LAYOUTS) for t in tables):
+            return (f"cos/sin {shapes} against x {list(x.shape)} (read as BSND) is not one of "
+                    f"{', '.join(A950_TABLE_LAYOUTS)}")
+    return None
+
+
+@soc_limits(torch.ops.npu_fuse.rotary_mul.default)
+def _rotary_mul_soc_limits(soc, x, r1, r2, rotary_mode="half"):
+    return rope_soc_limits(soc, x, (r1, r2), rotary_mode)
+
+
+@soc_limits(torch.ops.npu_fuse.rotary_mul_backward.default)
+def _rotary_mul_backward_soc_limits(soc, grad, x, r1, r2, rotary_mode="half", need_backward=True):
+    return rope_soc_limits(soc, grad, (r1, r2), rotary_mode)
+
+
+# -- eager NPU kernels: torch_npu's ops (schemas: W torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml)
 @npu_kernel(rotary_mul)
 def _rotary_mul_npu(x, r1, r2, rotary_mode="half"):
+    check_rotary_mul_args(x, r1, r2, rotary_mode)
+    # npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half', Tensor? rotate=None)
     return torch.ops.npu.npu_rotary_mul(x, r1, r2, rotary_mode)
 
 
 @npu_kernel(rotary_mul_backward)
 def _rotary_mul_backward_npu(grad, x, r1, r2, rotary_mode="half", need_backward=True):
-    return torch.ops.npu.npu_rotary_mul_backward(grad, x, r1, r2, rotary_mode)
+    check_rotary_mul_backward_args(grad, x, r1, r2, rotary_mode, need_backward)
+    # npu_rotary_mul_backward(Tensor grad, Tensor self, Tensor r1, Tensor r2, str rotary_mode='half'):
+    # its self (x) is required. Without x only dx is asked for, and dx does not depend on x: it
+    # is the adjoint rotation, composed from aten ops (torch_npu has no x-free backward).
+    if x is None:
+        return rotary_mul_backward_reference(grad, None, r1, r2, rotary_mode, need_backward=False)
+    dx, dr1, dr2 = torch.ops.npu.npu_rotary_mul_backward(grad, x, r1, r2, rotary_mode)
+    if not need_backward:
+        return dx, torch.zeros_like(r1), torch.zeros_like(r2)
+    return dx, dr1, dr2

@@ -7,7 +7,8 @@ output, x2 a scale (scalar-like or grad's shape). GE: ``SoftmaxGradExt``.
 import torch
 from torch import Tensor
 
-from ..registry import decomposition
+from ...soc import A2_A3
+from ..registry import decomposition, npu_kernel, soc_limits
 from ..rope_math import compute_dtype
 
 __all__ = ["softmax_grad_ext"]  # public entry points (npu_fuse.ops)
@@ -56,3 +57,19 @@ def softmax_grad_ext_reference(grad, x1, x2, axes=(-1,), keep_dims=True):
 def _(grad, x1, x2, axes=(-1,), keep_dims=True):
     check_softmax_grad_ext_args(grad, x1, x2, axes, keep_dims)
     return torch.empty_like(grad, memory_format=torch.contiguous_format)
+
+
+@soc_limits(torch.ops.npu_fuse.softmax_grad_ext.default)
+def _softmax_grad_ext_soc_limits(soc, grad, x1, x2, axes=(-1,), keep_dims=True):
+    # ops-nn softmax_grad_ext_def.cpp has one AICore config, ascend950 (its fusion-pass doc: 950 only)
+    if soc in A2_A3:
+        return f"the SoftmaxGradExt GE op targets Ascend950 only, not {soc} (ops-nn softmax_grad_ext op-def)"
+    return None
+
+
+@npu_kernel(softmax_grad_ext)
+def _softmax_grad_ext_npu(grad, x1, x2, axes=(-1,), keep_dims=True):
+    check_softmax_grad_ext_args(grad, x1, x2, axes, keep_dims)
+    # torch_npu has no softmax_grad_ext; composed from aten's softmax backward (an NPU SoftmaxGrad)
+    # and a multiply: x1 * (grad - sum(grad * x1)) is _softmax_backward_data(grad, x1).
+    return torch.ops.aten._softmax_backward_data(grad, x1, axes[0], grad.dtype) * x2

@@ -20,8 +20,8 @@ cat: the rotation is the costly part and rotary_mul takes any layout.
 
 Constraints (near-misses): x 4-D, static head dim D <= 1024 and even, even slice
 length, one float dtype, cos/sin broadcastable to ``x[..., s:e]`` with last dim
-``e - s``, no intermediate used outside, and under a named SoC the cos/sin layouts it
-accepts (A2/A3: BS1D, B11D; Ascend950: BSND, B1ND, B11D, 111D).
+``e - s``, no intermediate used outside. The cos/sin layouts each SoC accepts are the op's
+``@soc_limits`` (lowering/ops/inplace_partial_rotary_mul.py), checked on every rewrite.
 """
 
 import operator
@@ -35,16 +35,6 @@ from ..graph_utils import aten, broadcasts_to, describe, is_call, norm_dim, rank
     static_int, users_outside, val
 from ..lowering.ops.inplace_partial_rotary_mul import FLOAT_DTYPES, MAX_HEAD_DIM
 from ..matchers import RopeSite, last_dim_cat, last_dim_piece, match_rope_site
-from ..soc import A2_A3, ASCEND950, GENERIC
-
-LAYOUTS = {name: ("BS1D", "B11D") for name in A2_A3}
-LAYOUTS[ASCEND950] = ("BSND", "B1ND", "B11D", "111D")
-
-
-def layout_matches(r_shape, x_shape, layout: str) -> bool:
-    """Does a [., ., ., d] table fit a layout name like "BS1D" against x (BSND)?"""
-    return all(size_eq_int(r, 1) if letter == "1" else size_eq_int(r, x)
-               for r, x, letter in zip(r_shape[:3], x_shape[:3], layout[:3]))
 
 
 def size_eq_int(a, b) -> bool:
@@ -171,11 +161,6 @@ class PartialRotaryFusion(FusionPass):
             shape = list(val(t).shape)
             if len(shape) > 4 or not broadcasts_to(shape, slice_shape) or not size_eq_int(shape[-1], end - start):
                 raise NotFused(f"{name} shape {shape} is not broadcastable to x[..., {start}:{end}] shape {slice_shape}")
-            shape4 = [1] * (4 - len(shape)) + shape
-            if ctx.soc != GENERIC and ctx.soc in LAYOUTS and \
-                    not any(layout_matches(shape4, slice_shape, lay) for lay in LAYOUTS[ctx.soc]):
-                raise NotFused(f"{name} layout {shape4} against x {list(xv.shape)} is not one of "
-                               f"{', '.join(LAYOUTS[ctx.soc])} that {ctx.soc} accepts")
         leaked = users_outside(nodes, [anchor])
         if leaked is not None:
             raise NotFused(f"intermediate {describe(leaked)} is used outside the subgraph")

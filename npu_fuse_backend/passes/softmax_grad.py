@@ -15,7 +15,7 @@ fp16/fp32/bf16; x2 scalar-like or grad's shape, of that dtype; static shapes; th
 first Mul and the Sub share grad and both Muls share x1 (by construction of the
 match; ``sum - grad`` is different math and never matches); no intermediate used
 outside the chain; no rewrite that would make the fused op depend on its own
-output; SoC: Ascend950 or generic (the GE fusion targets Ascend950 only).
+output. The SoC limit (the GE op exists on Ascend950 only) is the op's ``@soc_limits``.
 """
 
 import dataclasses
@@ -28,7 +28,6 @@ from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, r
 from ..graph_utils import aten, describe, is_call, norm_dim, static_int, users_outside, val
 from ..lowering.ops.softmax_grad_ext import FLOAT_DTYPES
 from ..matchers import binary_operands
-from ..soc import A2_A3
 
 Scalar = (int, float)
 
@@ -216,8 +215,6 @@ class SoftmaxGradExtFusion(FusionPass):
         return Rewrite(y, chain.nodes, self.op, build, detail=chain.form)
 
     def _check(self, ctx: PassContext, y: Node, chain: SoftmaxBackward) -> None:
-        if ctx.soc in A2_A3:
-            raise NotFused(f"the SoftmaxGradExt fusion targets Ascend950 only, not {ctx.soc}")
         grad, x1, x2 = val(chain.grad), val(chain.x1), val(chain.x2)
         for name, t in (("grad", grad), ("x1", x1)) + ((("x2", x2),) if isinstance(x2, torch.Tensor) else ()):
             symbolic = [s for s in t.shape if static_int(s) is None]

@@ -1,0 +1,71 @@
+"""The GE graphs of the demo models (tiny configs), fused for each SoC and converted by torchair's real
+FX->GE conversion: every node conforms to the CANN op definitions, no mutated graph input is copied,
+and what fuses is what the SoC's ops allow."""
+
+import pytest
+import torch
+
+import npu_fuse_backend as nf
+from ge_conformance import check_graph, input_copies
+from npu_fuse_backend.demo_models import DecoderConfig, GPTJModel, LlamaModel
+from torchair_offline import ge_graphs_of, torchair_dir
+
+pytestmark = pytest.mark.skipif(not (torchair_dir() / "torchair").is_dir(),
+                                reason="torchair not fetched: run `make test`")
+
+
+def llama():
+    return LlamaModel(DecoderConfig(hidden=64, heads=2, kv_heads=1, head_dim=64, intermediate=64))
+
+
+def gptj():
+    return GPTJModel(DecoderConfig(hidden=64, heads=2, kv_heads=2, head_dim=32, intermediate=64, rotary_dim=16))
+
+
+def hidden():
+    return torch.randn(1, 8, 64), torch.arange(8)[None]
+
+
+def attention(q, k, v):
+    return torch.softmax((q @ k.transpose(-1, -2)) * 0.125, dim=-1) @ v
+
+
+def attention_inputs():
+    return [torch.randn(2, 2, 8, 8, requires_grad=True) for _ in range(3)]
+
+
+ROPE_TRAIN = {"forward": ["rotary_mul"] * 2, "backward": ["rotary_mul_backward"] * 2}
+PARTIAL = ["inplace_partial_rotary_mul"] * 2
+CASES = {  # name: (function maker, inputs, training, {soc: {graph kind: fused ops}})
+    "llama-inference": (llama, hidden, False, {soc: {"inference": ["rotary_mul"] * 2} for soc in
+                                               ("generic", "Ascend910B", "Ascend950")}),
+    "llama-training": (llama, hidden, True, {
+        "generic": ROPE_TRAIN, "Ascend910B": ROPE_TRAIN,
+        "Ascend950": {**ROPE_TRAIN, "backward": ["rotary_mul_backward"] * 2 + ["softmax_grad_ext"]}}),
+    # GPT-J's [B, S, 1, rot] tables with B = 1 are no Ascend950 layout of InplacePartialRotaryMul (BSND,
+    # B1ND, B11D, 111D): there the rotation of the slice fuses alone
+    "gptj-inference": (gptj, hidden, False, {"generic": {"inference": PARTIAL}, "Ascend910B": {"inference": PARTIAL},
+                                             "Ascend950": {"inference": ["rotary_mul"] * 2}}),
+    "gptj-training": (gptj, hidden, True, {
+        **{soc: {"forward": PARTIAL, "backward": ["rotary_mul_backward"] * 2} for soc in ("generic", "Ascend910B")},
+        "Ascend950": ROPE_TRAIN}),
+    "attention-training": (lambda: attention, attention_inputs, True, {
+        "generic": {"forward": [], "backward": []}, "Ascend910B": {"forward": [], "backward": []},
+        "Ascend950": {"forward": [], "backward": ["softmax_grad_ext"]}}),
+}
+
+
+@pytest.mark.parametrize("soc", ["generic", "Ascend910B", "Ascend950"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_model_graphs_conform_on_every_soc(case, soc):
+    make, inputs, training, expected = CASES[case]
+    torch.manual_seed(0)
+    fn = make()
+    nf.clear_reports()
+    with nf.config.patch(soc=soc), torch.set_grad_enabled(training):
+        graphs = ge_graphs_of(fn, *inputs())
+    assert len(graphs) == (2 if training else 1)
+    for graph in graphs:
+        assert [str(v) for v in check_graph(graph, soc)] == []
+        assert input_copies(graph) == []
+    assert {r.kind: [m.op for m in r.matches] for r in nf.get_reports()} == expected[soc]

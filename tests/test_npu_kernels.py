@@ -1,0 +1,166 @@
+"""The eager NPU kernels (``@npu_kernel``) of the fused ops, against torch_npu's registered schemas.
+
+torch_npu cannot be imported here, so its schemas are read from the wheel
+(``torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml``) and defined in a scratch
+namespace that stands in for ``torch.ops.npu``, with CPU reference implementations: the
+dispatcher then checks every call a kernel makes against torch_npu's schema (argument
+order, types, optionality: no None where a Tensor is required), and the kernel's result is
+compared with the op's own reference.
+"""
+
+import re
+
+import pytest
+import torch
+
+import npu_fuse  # noqa: F401  (defines the npu_fuse:: ops)
+from conftest import assert_close
+from npu_fuse_backend.lowering import registry
+from npu_fuse_backend.lowering.rope_math import rotate
+from torchair_offline import TORCH_NPU_DIR
+
+SCHEMAS = TORCH_NPU_DIR / "torch_npu" / "csrc" / "aten" / "npu_native_functions_by_codegen.yaml"
+pytestmark = pytest.mark.skipif(not SCHEMAS.is_file(), reason="torch_npu not fetched: run `make test`")
+
+npu_fuse = torch.ops.npu_fuse
+WITH_KERNELS = {npu_fuse.rotary_mul.default, npu_fuse.rotary_mul_backward.default, npu_fuse.softmax_grad_ext.default,
+                npu_fuse.inplace_partial_rotary_mul.default, npu_fuse.inplace_partial_rotary_mul_backward.default}
+
+
+def torch_npu_schemas() -> dict:
+    """{op name (with overload): schema string} of every ``func:`` in the wheel's yaml."""
+    found = {}
+    for line in SCHEMAS.read_text().splitlines():
+        match = re.match(r"\s*-?\s*func:\s*(([\w.]+)\(.*)$", line)
+        if match:
+            found[match.group(2)] = match.group(1)
+    return found
+
+
+def _rotary_mul(x, r1, r2, rotary_mode="half", rotate_=None):
+    return x * r1 + rotate(x, rotary_mode) * r2
+
+
+def _rotary_mul_backward(grad, x, r1, r2, rotary_mode="half"):
+    dx = grad * r1 - rotate(grad * r2, rotary_mode)
+    return dx, (grad * x).sum_to_size(r1.shape), (grad * rotate(x, rotary_mode)).sum_to_size(r2.shape)
+
+
+REFERENCES = {"npu_rotary_mul": _rotary_mul, "npu_rotary_mul_backward": _rotary_mul_backward}
+SCALAR_TYPES = {"str": str, "int": int, "bool": bool, "float": (float, int)}
+
+
+def checked(schema: str, impl):
+    """impl, after checking its arguments against the schema as torch_npu's kernel would need
+    them: the dispatcher lets None through as an undefined Tensor, torch_npu's kernels do not."""
+    parsed = torch._C.parse_schema(f"npu::{schema}")
+
+    def call(*args, **kwargs):
+        for i, arg in enumerate(parsed.arguments):
+            value = args[i] if i < len(args) else kwargs.get(arg.name, arg.default_value)
+            kind = str(arg.type)
+            if kind == "Tensor" and not isinstance(value, torch.Tensor):
+                raise TypeError(f"{parsed.name}: argument {arg.name} ({kind}) got {value!r}")
+            if kind in SCALAR_TYPES and not isinstance(value, SCALAR_TYPES[kind]):
+                raise TypeError(f"{parsed.name}: argument {arg.name} ({kind}) got {value!r}")
+        return impl(*args, **kwargs)
+
+    return call
+
+
+@pytest.fixture(scope="module")
+def npu_namespace():
+    """torch.ops.<scratch> with torch_npu's schemas of the ops the kernels may call."""
+    schemas = torch_npu_schemas()
+    lib = torch.library.Library("npu_fuse_wheel_schemas", "DEF")
+    for name, impl in REFERENCES.items():
+        lib.define(schemas[name])
+        lib.impl(name, checked(schemas[name], impl), "CompositeExplicitAutograd")
+    yield torch.ops.npu_fuse_wheel_schemas, schemas
+    del lib
+
+
+def overload(op):
+    return getattr(op, "_opoverload", op)
+
+
+@pytest.fixture
+def as_npu(npu_namespace, monkeypatch):
+    namespace, _ = npu_namespace
+    monkeypatch.setattr(torch.ops, "npu", namespace)
+    return dict(registry._npu_kernels)
+
+
+def test_every_fused_op_but_mla_preprocess_has_an_npu_kernel():
+    assert {overload(op) for op, _ in registry._npu_kernels} == WITH_KERNELS
+
+
+def test_the_schemas_the_kernels_call_are_torch_npus(npu_namespace):
+    _, schemas = npu_namespace
+    assert schemas["npu_rotary_mul"].startswith("npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, "
+                                                "str rotary_mode='half', Tensor? rotate=None)")
+    # self (x) is required: a kernel must not pass None for it
+    assert schemas["npu_rotary_mul_backward"].startswith(
+        "npu_rotary_mul_backward(Tensor grad, Tensor self, Tensor r1, Tensor r2, str rotary_mode='half')")
+
+
+def test_the_dispatcher_refuses_a_call_that_breaks_the_schema(npu_namespace):
+    namespace, _ = npu_namespace
+    g, x, r = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 8), torch.randn(1, 3, 1, 8)
+    with pytest.raises(TypeError, match="argument self"):
+        namespace.npu_rotary_mul_backward(g, None, r, r, "half")  # what the old kernel did
+    with pytest.raises(RuntimeError):
+        namespace.npu_rotary_mul(x, r, r, "half", None, 3)  # one argument too many
+
+
+def kernel(as_npu, op):
+    return next(fn for o, fn in as_npu.items() if overload(o) == op)
+
+
+def tables(shape=(2, 5, 3, 8), r_shape=(1, 5, 1, 8)):
+    return torch.randn(shape), torch.randn(r_shape), torch.randn(r_shape)
+
+
+@pytest.mark.parametrize("mode", ["half", "interleave"])
+def test_rotary_mul_kernel(as_npu, mode):
+    x, r1, r2 = tables()
+    got = kernel(as_npu, npu_fuse.rotary_mul.default)(x, r1, r2, mode)
+    assert_close(got, npu_fuse.rotary_mul(x, r1, r2, mode))
+
+
+@pytest.mark.parametrize("mode", ["half", "interleave"])
+@pytest.mark.parametrize("with_x", [True, False])
+def test_rotary_mul_backward_kernel(as_npu, mode, with_x):
+    x, r1, r2 = tables()
+    g = torch.randn_like(x)
+    need = with_x
+    got = kernel(as_npu, npu_fuse.rotary_mul_backward.default)(g, x if with_x else None, r1, r2, mode, need)
+    expected = npu_fuse.rotary_mul_backward(g, x if with_x else None, r1, r2, mode, need)
+    for a, b in zip(got, expected):
+        assert_close(a, b)
+
+
+def test_softmax_grad_ext_kernel(as_npu):
+    g, p = torch.randn(2, 4, 8), torch.softmax(torch.randn(2, 4, 8), -1)
+    for x2 in (torch.full((1,), 0.125), torch.randn(2, 4, 8)):
+        got = kernel(as_npu, npu_fuse.softmax_grad_ext.default)(g, p, x2, [-1], True)
+        assert_close(got, npu_fuse.softmax_grad_ext(g, p, x2, [-1], True))
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_inplace_partial_rotary_mul_kernels(as_npu, backward):
+    op = npu_fuse.inplace_partial_rotary_mul_backward if backward else npu_fuse.inplace_partial_rotary_mul
+    x, r1, r2 = tables(shape=(2, 5, 3, 16), r_shape=(2, 5, 1, 8))
+    got, expected = x.clone(), x.clone()
+    assert kernel(as_npu, op.default)(got, r1, r2, rotary_mode="interleave", partial_slice=[4, 12]) is None
+    op(expected, r1, r2, rotary_mode="interleave", partial_slice=[4, 12])
+    assert_close(got, expected)
+    assert torch.equal(got[..., :4], x[..., :4]) and torch.equal(got[..., 12:], x[..., 12:])
+
+
+def test_kernels_check_their_arguments_like_the_op(as_npu):
+    x, r1, r2 = tables()
+    with pytest.raises(ValueError, match="rotary_mode"):
+        kernel(as_npu, npu_fuse.rotary_mul.default)(x, r1, r2, "quarter")
+    with pytest.raises(ValueError, match="partial_slice"):
+        kernel(as_npu, npu_fuse.inplace_partial_rotary_mul.default)(x, r1, r2, partial_slice=[0, 9, 1])
