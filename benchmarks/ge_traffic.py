@@ -29,7 +29,9 @@ from common import table, write_results  # noqa: E402
 from torchair_offline import ge_graphs_of, load_torchair_offline  # noqa: E402
 
 import npu_fuse_backend as nf  # noqa: E402
-from npu_fuse_backend.demo_models import DecoderConfig, GPTJModel, LlamaModel  # noqa: E402
+from npu_fuse_backend.demo_models import (  # noqa: E402
+    DecoderConfig, DeepSeekMLA, GPTJModel, LlamaModel, MLAConfig, mla_decode_inputs,
+)
 
 NOT_COMPUTE = {"Data", "Const", "NetOutput"}
 DTYPE_BYTES = {"DT_FLOAT": 4, "DT_FLOAT16": 2, "DT_BF16": 2, "DT_INT8": 1, "DT_UINT8": 1, "DT_INT16": 2,
@@ -71,6 +73,27 @@ def _gptj():
     return GPTJModel(DecoderConfig(hidden=256, heads=4, kv_heads=4, head_dim=64, intermediate=512, rotary_dim=32))
 
 
+# DeepSeek-V3's hidden size, 32 heads, a 32768-slot paged cache (37.7 MB bf16). The cache is written
+# with scatter_ (aten.scatter.src), which torchair converts unfused (it has no index_put converter).
+MLA_DECODE = MLAConfig(hidden=7168, heads=32, block_size=128, num_blocks=256, cache_write="scatter")
+
+
+def _mla(quant: bool):
+    def make():
+        return DeepSeekMLA(MLA_DECODE, quant=quant).to(torch.bfloat16).eval()
+
+    return make
+
+
+def _mla_decode_step(tokens=8, step=3):
+    def inputs():
+        x, cos, sin, slots, context = mla_decode_inputs(MLA_DECODE, tokens, step)
+        cache = torch.zeros(MLA_DECODE.num_blocks, MLA_DECODE.block_size, 1, 576, dtype=torch.bfloat16)
+        return [x, cos, sin, slots, cache, context]
+
+    return inputs
+
+
 CASES = [
     Case("llama inference", _llama, _hidden(), False),
     Case("llama training", _llama, _hidden(), True),
@@ -80,6 +103,8 @@ CASES = [
          lambda: [torch.randn(2, 4, 64, 64, requires_grad=True) for _ in range(3)], True),
     Case("in-place partial rope on an input", lambda: _partial_rope_on_input,
          lambda: [torch.randn(2, 16, 4, 128), torch.randn(2, 1, 1, 64), torch.randn(2, 1, 1, 64)], False),
+    Case("deepseek mla decode bf16", _mla(False), _mla_decode_step(), False),
+    Case("deepseek mla decode w8a8", _mla(True), _mla_decode_step(), False),
 ]
 
 

@@ -244,6 +244,7 @@ class MLAConfig:
     num_blocks: int = 16
     rope_style: str = "half"  # "interleave": DeepSeek's original pairwise layout
     eps: float = 1e-6
+    cache_write: str = "index_put"  # "scatter": cache.scatter_(0, slots[:, None].expand(-1, D), rows)
 
 
 def rope_tokens(x, cos, sin, style: str):
@@ -327,7 +328,11 @@ class DeepSeekMLA(nn.Module):
         q_pe = rope_tokens(q_pe, cos, sin, c.rope_style)
         k_pe = rope_tokens(k_pe, cos, sin, c.rope_style)
         q_nope = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # absorbed W_UK
-        kv_cache.view(-1, c.kv_lora + c.rope)[slot_mapping] = torch.cat([kv_c, k_pe], dim=-1)
+        rows, flat = torch.cat([kv_c, k_pe], dim=-1), kv_cache.view(-1, c.kv_lora + c.rope)
+        if c.cache_write == "scatter":
+            flat.scatter_(0, slot_mapping.unsqueeze(-1).expand(-1, rows.shape[-1]), rows)
+        else:
+            flat[slot_mapping] = rows
         q_full = torch.cat([q_nope, q_pe], dim=-1)  # [T, N, 576]
         keys = kv_cache.view(-1, c.kv_lora + c.rope)[context_slots]  # [T, L, 576]
         scores = torch.einsum("tnd,tld->tnl", q_full.float(), keys.float()) / math.sqrt(c.nope + c.rope)
