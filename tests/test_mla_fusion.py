@@ -279,6 +279,35 @@ def test_sizes_the_op_cannot_take_are_near_misses_naming_stage_and_value(dims, r
     assert relative_error(outs[0], eager[0]) < 0.01
 
 
+class PairRotationMLA(DeepSeekMLA):
+    """RoPE on the interleaved pairs themselves (GPT-J's rotate_every_two), not DeepSeek's
+    de-interleave-then-halves: the op cannot compute it."""
+
+    def forward(self, x, cos, sin, slot_mapping, kv_cache, context_slots):
+        c = self.cfg
+        q_c, kv = self.fused_qkv_a_proj(x).split([c.q_lora, c.kv_lora + c.rope], dim=-1)
+        q = self.q_b_proj(self.q_a_layernorm(q_c)).view(-1, c.heads, c.nope + c.rope)
+        q_nope, q_pe = q.split([c.nope, c.rope], dim=-1)
+        kv_c, k_pe = kv.split([c.kv_lora, c.rope], dim=-1)
+        pairs = lambda t: torch.stack((-t[..., 1::2], t[..., ::2]), -1).flatten(-2)  # noqa: E731
+        q_pe = q_pe * cos.unsqueeze(1) + pairs(q_pe) * sin.unsqueeze(1)
+        k_pe = k_pe * cos + pairs(k_pe) * sin
+        q_nope = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+        kv_cache.view(-1, 576)[slot_mapping] = torch.cat([self.kv_a_layernorm(kv_c), k_pe], dim=-1)
+        return torch.cat([q_nope, q_pe], dim=-1)
+
+
+def test_a_pairwise_rope_is_a_near_miss_and_its_sites_still_fuse():
+    cfg = MLAConfig()
+    torch.manual_seed(0)
+    model = PairRotationMLA(cfg).to(torch.bfloat16).eval()
+    eager, _, _ = decode(model, cfg, steps=1)
+    outs, _, reports = decode(model, cfg, steps=1, compile_=True)
+    assert "mla_preprocess" not in fused_ops(reports)
+    assert any(r.startswith("stage 7: the q RoPE rotates interleaved pairs") for r in near_miss_reasons(reports))
+    assert relative_error(outs[0], eager[0]) < 0.01
+
+
 def test_float32_is_a_dtype_near_miss():
     cfg = MLAConfig()
     torch.manual_seed(0)

@@ -139,7 +139,7 @@ class MlaPreprocessFusion(FusionPass):
             site = match_rope_site(anchor)
         except NotFused:  # the RoPE passes report that site
             return None
-        if site is None or site.rotation.mode != "half":
+        if site is None:
             return None
         q_pe, deinterleave = site.x, []
         pairs = deinterleaved(q_pe)
@@ -151,6 +151,9 @@ class MlaPreprocessFusion(FusionPass):
         width = static_int(val(piece.source).shape[-1])
         if width is None or not 0 < piece.start < piece.end == width:
             return None  # not the rope tail of a [T, N, nope + rope] q head
+        if site.rotation.mode != "half":
+            raise NotFused("stage 7: the q RoPE rotates interleaved pairs (x[2k], x[2k+1]); the op rotates "
+                           "halves (DeepSeek's de-interleave-then-rotate-halves form fuses)")
         return self._match(ctx, anchor, site, piece, deinterleave)
 
     def _match(self, ctx, q_rope_add, q_site: RopeSite, q_piece, deinterleave) -> Rewrite:
