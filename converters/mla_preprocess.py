@@ -54,7 +54,7 @@ from ..lowering.ops import mla_preprocess as mla
 from ..soc import A2_A3, ASCEND950, GENERIC
 from .common import declare_ge_ops, target_soc
 
-# MlaPreprocess's 24 required inputs, in op-def order, and where each comes from
+# MlaPreprocess's 24 required inputs, in op-def order
 GE_INPUTS = ("input", "gamma_0", "beta_0", "quant_scale_0", "quant_offset_0", "wdqkv", "descale_0", "bias_0",
              "gamma_1", "beta_1", "quant_scale_1", "quant_offset_1", "wuq", "descale_1", "bias_1", "gamma_2", "cos",
              "sin", "wuk", "kv_cache", "kv_cache_rope", "slot_mapping", "ctkv_scale", "q_nope_scale")
@@ -104,8 +104,12 @@ def _mla_preprocess_registered() -> bool:
 
 
 def _uses_mla_preprocess(a) -> bool:
-    tokens, _ = _tokens_heads(a)
-    return target_soc() in A2_A3 and isinstance(tokens, int) and _mla_preprocess_registered()
+    """On A2/A3 when the installed CANN has the op and the call is within its limits (a direct call
+    may not be: the fusion's calls are, ``mla_preprocess_soc_limits``)."""
+    tokens, heads = _tokens_heads(a)
+    hidden = a["input"].symsize[1]
+    return (target_soc() in A2_A3 and isinstance(tokens, int) and tokens <= mla.GE_MAX_TOKENS
+            and heads in mla.GE_HEADS and hidden % mla.GE_HIDDEN_MULTIPLE == 0 and _mla_preprocess_registered())
 
 
 # what the conversion cannot do without (version tolerance): MlaPreprocess is taken when the installed
@@ -120,10 +124,10 @@ declare_ge_ops("mla_preprocess", {
 @declare_supported([
     Support(BF16(4, 2048), BF16(2048), BF16(2048), BF16(2112, 2048), F32(2112), BF16(1536), BF16(1536),
             BF16(3072, 1536), F32(3072), BF16(512), BF16(4, 64), BF16(4, 64), BF16(16, 128, 512),
-            BF16(16, 16, 1, 576), BF16(0), I64(4), cache_mode=0, quant_mode=0, epsilon=1e-6),
+            BF16(16, 16, 1, 576), F32(0), I64(4), cache_mode=0, quant_mode=0, epsilon=1e-6),
     Support(BF16(4, 2048), BF16(2048), BF16(2048), I8(2112, 2048), F32(2112), BF16(1536), BF16(1536),
             I8(3072, 1536), F32(3072), BF16(512), BF16(4, 64), BF16(4, 64), BF16(16, 128, 512),
-            BF16(16, 16, 1, 576), BF16(0), I32(4), BF16(1), I8(1), I32(2112), BF16(1), I8(1), I32(3072),
+            BF16(16, 16, 1, 576), F32(0), I32(4), BF16(1), I8(1), I32(2112), BF16(1), I8(1), I32(3072),
             cache_mode=0, quant_mode=0, epsilon=1e-6),
 ])
 @register_fx_node_ge_converter(torch.ops.npu_fuse.mla_preprocess.default)

@@ -117,11 +117,11 @@ def test_a_cann_without_mla_preprocess_gets_the_stages_in_ordinary_ops():
     assert check_graph(graph, "Ascend910B") == [] and input_copies(graph) == []
 
 
-def _direct_call(cache_mode, dtype=torch.bfloat16, quantized=False):
+def _direct_call(cache_mode, dtype=torch.bfloat16, quantized=False, heads=16):
     """(step, args): one direct op call whose every tensor is a graph input (Data i = args[i])."""
     from mla_inputs import make_inputs
 
-    a, kw = make_inputs(tokens=TOKENS, heads=16, cache_mode=cache_mode, quantized=quantized, dtype=dtype)
+    a, kw = make_inputs(tokens=TOKENS, heads=heads, cache_mode=cache_mode, quantized=quantized, dtype=dtype)
     if cache_mode == M.KVCACHE:
         del a["kv_cache_rope"]  # unused: made inside the step, not a graph input
     names = list(a)
@@ -201,3 +201,17 @@ def test_the_ge_graph_computes_what_the_op_computes(soc, cache_mode, dtype, quan
         if i != cache and not torch.equal(before, e):  # a graph output by torchair's runner
             assert any(o.shape == e.shape and torch.allclose(o.float(), e.float(), atol=2e-2, rtol=2e-2)
                        for o in outputs[2:])
+
+
+def test_a_direct_call_outside_mla_preprocess_limits_gets_the_stage_ops_on_atlas_a2():
+    from ge_conformance import check_graph, input_copies
+    from ge_eval import run_graph
+
+    step, args = _direct_call(M.KVCACHE, quantized=True, heads=8)  # MlaPreprocess takes 16/32/64/128 heads
+    with nf.config.patch(soc="Ascend910B"), torch.no_grad():
+        (graph,) = ge_graphs_of(step, *[t.clone() for t in args])
+        expected = step(*[t.clone() for t in args])
+    assert "MlaPreprocess" not in op_types(graph)
+    assert check_graph(graph, "Ascend910B") == [] and input_copies(graph) == []
+    for got, want in zip(run_graph(graph, [t.clone() for t in args]), expected):
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
