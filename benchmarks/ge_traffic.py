@@ -9,7 +9,10 @@ the node's largest input). A fused region is the GE nodes converted from the FX 
 inserted; its unfused subgraph, the GE nodes converted from the FX nodes it replaced.
 
 Goal: every fused region moves fewer bytes than its unfused subgraph, and no graph copies a
-mutated input. Cases are a list: the MLA decode rows go in ``CASES``.
+mutated input. Cases are a list: the MLA decode rows go in ``CASES``. Unfused, their cache write
+(scatter_) becomes ScatterElements, which writes a whole new cache that torchair's runner copies back
+into the input on every call; fused, ScatterNdUpdate writes the token rows into the input in place
+(the bytes model still counts its whole cache in and out).
 Run: python benchmarks/ge_traffic.py
 """
 
@@ -29,7 +32,9 @@ from common import table, write_results  # noqa: E402
 from torchair_offline import ge_graphs_of, load_torchair_offline  # noqa: E402
 
 import npu_fuse_backend as nf  # noqa: E402
-from npu_fuse_backend.demo_models import DecoderConfig, GPTJModel, LlamaModel  # noqa: E402
+from npu_fuse_backend.demo_models import (  # noqa: E402
+    DecoderConfig, DeepSeekMLA, GPTJModel, LlamaModel, MLAConfig, mla_decode_inputs,
+)
 
 NOT_COMPUTE = {"Data", "Const", "NetOutput"}
 DTYPE_BYTES = {"DT_FLOAT": 4, "DT_FLOAT16": 2, "DT_BF16": 2, "DT_INT8": 1, "DT_UINT8": 1, "DT_INT16": 2,
@@ -43,6 +48,7 @@ class Case:
     inputs: Callable[[], list]
     training: bool
     socs: tuple = ("Ascend910B", "Ascend950")
+    unfused_converts: bool = True  # False: only the fused graph has a GE conversion (no baseline)
 
 
 def _hidden(seq=16, hidden=256):
@@ -71,6 +77,27 @@ def _gptj():
     return GPTJModel(DecoderConfig(hidden=256, heads=4, kv_heads=4, head_dim=64, intermediate=512, rotary_dim=32))
 
 
+# DeepSeek-V3's hidden size, 32 heads, a 32768-slot paged cache (37.7 MB bf16). The cache is written
+# with scatter_ (aten.scatter.src), which torchair converts unfused (it has no index_put converter).
+MLA_DECODE = MLAConfig(hidden=7168, heads=32, block_size=128, num_blocks=256, cache_write="scatter")
+
+
+def _mla(quant: bool):
+    def make():
+        return DeepSeekMLA(MLA_DECODE, quant=quant).to(torch.bfloat16).eval()
+
+    return make
+
+
+def _mla_decode_step(tokens=8, step=3):
+    def inputs():
+        x, cos, sin, slots, context = mla_decode_inputs(MLA_DECODE, tokens, step)
+        cache = torch.zeros(MLA_DECODE.num_blocks, MLA_DECODE.block_size, 1, 576, dtype=torch.bfloat16)
+        return [x, cos, sin, slots, cache, context]
+
+    return inputs
+
+
 CASES = [
     Case("llama inference", _llama, _hidden(), False),
     Case("llama training", _llama, _hidden(), True),
@@ -80,6 +107,9 @@ CASES = [
          lambda: [torch.randn(2, 4, 64, 64, requires_grad=True) for _ in range(3)], True),
     Case("in-place partial rope on an input", lambda: _partial_rope_on_input,
          lambda: [torch.randn(2, 16, 4, 128), torch.randn(2, 1, 1, 64), torch.randn(2, 1, 1, 64)], False),
+    Case("deepseek mla decode bf16", _mla(False), _mla_decode_step(), False),
+    # unfused, aten._int_mm has no GE converter: no baseline graph
+    Case("deepseek mla decode w8a8", _mla(True), _mla_decode_step(), False, unfused_converts=False),
 ]
 
 
@@ -207,18 +237,27 @@ def main():
     graph_rows, region_rows = [], []
     for case in CASES:
         for soc in case.socs:
-            plain, plain_fx, plain_origins, _ = convert(case, soc, fused=False)
             fused, fused_fx, fused_origins, reports = convert(case, soc, fused=True)
+            if case.unfused_converts:
+                plain, plain_fx, plain_origins, _ = convert(case, soc, fused=False)
+            else:
+                plain, plain_fx, plain_origins = [None] * len(fused), [None] * len(fused), {}
             for i, (u, f) in enumerate(zip(plain, fused)):
                 kind = reports[i].kind
                 assert check_graph(f, soc) == [], f"{case.name} {soc}: non-conformant GE graph"
-                u_nodes, f_nodes = compute_nodes(u), compute_nodes(f)
-                u_bytes, f_bytes = sum(map(node_bytes, u_nodes)), sum(map(node_bytes, f_nodes))
+                f_nodes = compute_nodes(f)
+                f_bytes = sum(map(node_bytes, f_nodes))
+                u_nodes = compute_nodes(u) if u is not None else None
+                u_bytes = sum(map(node_bytes, u_nodes)) if u is not None else None
                 graph_rows.append({
                     "case": case.name, "soc": soc, "graph": kind, "fused ops": len(reports[i].matches),
-                    "nodes unfused": len(u_nodes), "nodes fused": len(f_nodes),
-                    "MB unfused": u_bytes / 2**20, "MB fused": f_bytes / 2**20, "fused/unfused": f_bytes / u_bytes,
+                    "nodes unfused": len(u_nodes) if u is not None else "no GE", "nodes fused": len(f_nodes),
+                    "MB unfused": u_bytes / 2**20 if u is not None else "no GE", "MB fused": f_bytes / 2**20,
+                    "fused/unfused": f_bytes / u_bytes if u is not None else "-",
                     "input copies": len(input_copies(f))})
+                if u is None:
+                    print(graph_rows[-1], flush=True)
+                    continue
                 for match, inserted in regions(fused_fx[i], plain_fx[i], reports[i].matches):
                     n_u, b_u = region_bytes(u, plain_origins.get(u.name, {}), {match.anchor, *match.nodes_replaced})
                     n_f, b_f = region_bytes(f, fused_origins.get(f.name, {}), inserted)

@@ -234,7 +234,7 @@ class NeoXModel(nn.Module):
 @dataclasses.dataclass
 class MLAConfig:
     hidden: int = 2048
-    heads: int = 4
+    heads: int = 16  # the smallest head count MlaPreprocess takes on Atlas A2/A3
     q_lora: int = 1536
     kv_lora: int = 512
     rope: int = 64
@@ -244,6 +244,7 @@ class MLAConfig:
     num_blocks: int = 16
     rope_style: str = "half"  # "interleave": DeepSeek's original pairwise layout
     eps: float = 1e-6
+    cache_write: str = "index_put"  # "scatter": cache.scatter_(0, slots[:, None].expand(-1, D), rows)
 
 
 def rope_tokens(x, cos, sin, style: str):
@@ -272,13 +273,14 @@ class RMSNormWithBias(nn.Module):
 
 
 class W8A8Linear(nn.Module):
-    """Static per-tensor asymmetric activation quant, per-channel int8 weights."""
+    """Static per-tensor asymmetric activation quant, per-channel int8 weights (vLLM-Ascend's
+    w8a8 layout: the input scale in the model's dtype, an int8 offset)."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.register_buffer("weight", torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8))
         self.register_buffer("input_scale", torch.tensor([0.05]))
-        self.register_buffer("input_offset", torch.tensor([1.0]))
+        self.register_buffer("input_offset", torch.tensor([1], dtype=torch.int8))
         self.register_buffer("deq_scale", torch.rand(out_features) * 2e-4 + 1e-4)
         self.register_buffer("quant_bias", torch.randint(-10, 10, (out_features,), dtype=torch.int32))
 
@@ -326,13 +328,17 @@ class DeepSeekMLA(nn.Module):
         q_pe = rope_tokens(q_pe, cos, sin, c.rope_style)
         k_pe = rope_tokens(k_pe, cos, sin, c.rope_style)
         q_nope = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # absorbed W_UK
-        kv_cache.view(-1, c.kv_lora + c.rope)[slot_mapping] = torch.cat([kv_c, k_pe], dim=-1)
+        rows, flat = torch.cat([kv_c, k_pe], dim=-1), kv_cache.view(-1, c.kv_lora + c.rope)
+        if c.cache_write == "scatter":
+            flat.scatter_(0, slot_mapping.unsqueeze(-1).expand(-1, rows.shape[-1]), rows)
+        else:
+            flat[slot_mapping] = rows
         q_full = torch.cat([q_nope, q_pe], dim=-1)  # [T, N, 576]
         keys = kv_cache.view(-1, c.kv_lora + c.rope)[context_slots]  # [T, L, 576]
         scores = torch.einsum("tnd,tld->tnl", q_full.float(), keys.float()) / math.sqrt(c.nope + c.rope)
         latent = torch.einsum("tnl,tlc->tnc", scores.softmax(-1), keys[..., : c.kv_lora].float())
-        out = torch.einsum("tnc,ncv->tnv", latent, self.w_uv.float()).to(x.dtype)
-        return self.o_proj(out.reshape(out.shape[0], -1))
+        out = torch.einsum("tnc,ncv->tnv", latent, self.w_uv.float())
+        return self.o_proj(out.reshape(out.shape[0], -1).to(x.dtype))
 
 
 def mla_decode_inputs(cfg: MLAConfig, tokens: int, step: int, dtype=torch.bfloat16, seed: int = 0):

@@ -529,18 +529,33 @@ class QuantLinear:
 
 @dataclasses.dataclass
 class Linear:
-    """``x @ w^T``, or the w8a8 form ``dequant(int_mm(quant(x), w^T) + bias)``."""
+    """A projection: ``x @ w^T`` (nn.Linear, w stored [out, in]) or ``x @ w`` (w stored
+    [in, out]), or the w8a8 form ``dequant(int_mm(quant(x), w^T or w) + bias)``."""
 
     x: Node
-    w: Node  # [out, in]
+    w: Node  # the weight as the graph holds it
     quant: Optional[QuantLinear]
     nodes: list
+    in_out: bool = False  # w is stored [in, out] (``x @ w``), not [out, in]
+
+
+def _weight(node) -> Optional[tuple]:
+    """(w, in_out, nodes) for the right operand of a 2-D matmul: ``w.t()`` or a plain 2-D w."""
+    if transposed(node) is not None:
+        return transposed(node), False, [node]
+    if rank(node) == 2:
+        return node, True, []
+    return None
 
 
 def match_linear(node) -> Optional[Linear]:
     out, casts = uncast(node)
-    if is_call(out, aten.mm.default) and transposed(out.args[1]) is not None:
-        return Linear(out.args[0], transposed(out.args[1]), None, [*casts, out, out.args[1]])
+    if is_call(out, aten.mm.default):
+        weight = _weight(out.args[1])
+        if weight is None:
+            return None
+        w, in_out, w_nodes = weight
+        return Linear(out.args[0], w, None, [*casts, out, *w_nodes], in_out)
     scaled = binary_operands(out, aten.mul.Tensor)
     if scaled is None:
         return None
@@ -550,12 +565,13 @@ def match_linear(node) -> Optional[Linear]:
         if biased is None or not is_call(biased[0], aten._int_mm.default):
             continue
         int_mm, bias = biased
-        weight = transposed(int_mm.args[1])
+        weight = _weight(int_mm.args[1])
         quant = match_quantize(int_mm.args[0])
         if weight is None or quant is None:
             return None
-        return Linear(quant.y, weight, QuantLinear(quant, bias, descale),
-                      [*casts, out, *acc.casts, acc.node, int_mm, int_mm.args[1], *quant.nodes])
+        w, in_out, w_nodes = weight
+        return Linear(quant.y, w, QuantLinear(quant, bias, descale),
+                      [*casts, out, *acc.casts, acc.node, int_mm, *w_nodes, *quant.nodes], in_out)
     return None
 
 

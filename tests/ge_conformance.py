@@ -167,8 +167,14 @@ def _check_dtypes(ir: OpIR, present: dict, fail) -> None:
             fail("dtype-combo", f"input dtypes {got} are not one of the op-def's dtype combinations")
 
 
+# torchair's own annotations without a leading "_": the input/output formats a converter sets with
+# utils.specific_op_input_layout, moved into the descs by fx2ge_converter._normalize_ge_graph
+TORCHAIR_ANNOTATIONS = ("input_layout_info", "output_layout_info")
+
+
 def _check_attrs(op, ir: OpIR, fail) -> None:
-    written = {name: value for name, value in op.attr.items() if not name.startswith("_")}
+    written = {name: value for name, value in op.attr.items()
+               if not name.startswith("_") and name not in TORCHAIR_ANNOTATIONS}
     for name, value in written.items():
         spec = ir.attr(name)
         if spec is None:

@@ -228,18 +228,3 @@ def test_partial_rope_backward_on_ascend950_is_inplace_partial_rotary_mul_grad()
     assert input_names(op) == ["dy", "cos", "sin"] and [d.name for d in op.output_desc] == ["dy"]
     assert op.attr["rotary_mode"].i == 1
 
-
-def test_mla_prologue_becomes_one_mla_preprocess():
-    from npu_fuse_backend.demo_models import DeepSeekMLA, MLAConfig, mla_decode_inputs
-
-    cfg = MLAConfig()
-    torch.manual_seed(0)
-    model = DeepSeekMLA(cfg, quant=True).to(torch.bfloat16).eval()
-    cache = torch.zeros(cfg.num_blocks, cfg.block_size, 1, 576, dtype=torch.bfloat16)
-    with torch.no_grad():
-        (graph,) = ge_graphs_of(model, *mla_decode_inputs(cfg, 4, 1)[:4], cache, mla_decode_inputs(cfg, 4, 1)[4])
-    types = op_types(graph)
-    assert types.count("MlaPreprocess") == 1
-    assert "RotaryMul" not in types and "ScatterNdUpdate" not in types
-    (op,) = [op for op in graph.op if op.type == "MlaPreprocess"]
-    assert op.attr["cache_mode"].i == 0 and op.attr["quant_mode"].i == 0

@@ -56,9 +56,7 @@ def golden(a, cache_mode, quant_mode, eps=1e-6):
     kv_cache, kv_rope = a["kv_cache"].clone(), a["kv_cache_rope"].clone()
     block_size = kv_cache.shape[1]
     for t, slot in enumerate(a["slotmapping"].tolist()):
-        if slot < 0:
-            continue
-        block, offset = divmod(slot, block_size)
+        block, offset = divmod(slot % (kv_cache.shape[0] * block_size), block_size)  # -1: the last slot
         if cache_mode == 0:
             kv_cache[block, offset, 0] = torch.cat([stages["ctkv"][t], stages["k_rope"][t]])
             continue
@@ -119,10 +117,11 @@ def test_every_stage_and_output_matches_the_golden(cache_mode, quant_mode, quant
     close(kv_out, kv)
     if cache_mode:
         close(kv_rope_out, kv_rope)
-    untouched = a["slotmapping"][0].item()  # slot -1: nothing written for token 0
-    assert untouched == -1
+    slots = a["slotmapping"].tolist()
+    assert slots[0] == -1  # token 0 writes the last slot, as cache.view(-1, D)[-1] = row does
+    count = kv_out.shape[0] * kv_out.shape[1]
     written = (kv_out != cache_in).flatten(1).any(1).nonzero().flatten().tolist()
-    assert set(written) <= {s // kv_out.shape[1] for s in a["slotmapping"].tolist() if s >= 0}
+    assert set(written) <= {(s % count) // kv_out.shape[1] for s in slots} and kv_out.shape[0] - 1 in written
     if not cache_mode:
         assert torch.equal(a["kv_cache_rope"], rope_in)
 
@@ -155,7 +154,7 @@ def _broken(**changes):
     (dict(slotmapping=lambda a: a["slotmapping"].float()), "slotmapping must be int32/int64"),
     (dict(kv_cache=lambda a: torch.zeros(2, 200, 1, 576, dtype=torch.bfloat16)), "block_size must be in \\[1, 128\\] or 256"),
     (dict(kv_cache=lambda a: a["kv_cache"][..., :512]), "kv_cache must be \\[blocks, block_size, 1, 576\\]"),
-    (dict(quant_scale0=None), "quant_scale0 must be a \\[1\\] tensor"),
+    (dict(quant_scale0=None), "quant_scale0 must be a \\[1\\] torch.bfloat16 tensor"),
 ])
 def test_each_limit_has_a_clear_error(changes, message):
     a, kw = _broken(**changes)
@@ -177,12 +176,13 @@ def test_token_limit_and_nz_block_size():
 
 
 @pytest.mark.parametrize("cache_mode", range(4))
-@pytest.mark.parametrize("skipped", ["first", "all"])
-def test_functional_decomposition_matches_the_in_place_op(cache_mode, skipped):
+@pytest.mark.parametrize("negative", ["first", "all"])
+def test_functional_decomposition_matches_the_in_place_op(cache_mode, negative):
     """What inductor compiles (no mutation, static shapes) writes exactly what the op writes."""
     a, kw = make_inputs(cache_mode=cache_mode)
-    if skipped == "all":
-        a["slotmapping"][:] = -1
+    if negative == "all":
+        count = a["kv_cache"].shape[0] * a["kv_cache"].shape[1]
+        a["slotmapping"] = a["slotmapping"] % count - count
     copy = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in a.items()}
     out0, kv, out1, kv_rope = run_op(a, kw)
     (f0, f1), (f_kv, f_kv_rope) = M.mla_preprocess_functional(**copy, **kw, epsilon=1e-6)
@@ -197,3 +197,122 @@ def test_refuses_inputs_that_require_grad():
         run_op(a, kw)
     with torch.no_grad():
         run_op(a, kw)
+
+
+@pytest.mark.parametrize("cache_mode", [0, 3])
+@pytest.mark.parametrize("slot", [64, -65, 1000])
+def test_an_out_of_range_slot_is_an_index_error_and_writes_nothing(cache_mode, slot):
+    """Python indexing: -S..S-1 are slots (S = blocks * block_size), anything else is refused,
+    by the reference kernel and by the decomposition (one index_put, whose bounds check inductor
+    compiles in as well; in a parallel kernel it aborts, so it is not run compiled here)."""
+    a, kw = make_inputs(cache_mode=cache_mode, blocks=4, block_size=16)
+    count = a["kv_cache"].shape[0] * a["kv_cache"].shape[1]
+    a["slotmapping"][1] = slot * count // 64
+    before = a["kv_cache"].clone()
+    with pytest.raises(IndexError, match=f"out of range for a cache of {count} slots"):
+        run_op(a, kw)
+    assert torch.equal(a["kv_cache"], before)
+    with pytest.raises(IndexError, match="out of bounds"):
+        M.mla_preprocess_functional(**a, **kw, epsilon=1e-6)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(kv_cache=lambda a: a["kv_cache"].transpose(0, 1).contiguous().transpose(0, 1)),
+     "kv_cache must be contiguous"),
+    (dict(quant_scale0=lambda a: a["quant_scale0"].float()), "quant_scale0 must be a \\[1\\] torch.bfloat16 tensor"),
+    (dict(quant_offset1=lambda a: a["quant_offset1"].float()), "quant_offset1 must be a \\[1\\] int8 tensor"),
+    (dict(bias0=lambda a: a["bias0"].long()), "bias0 must be \\[2112\\] int32"),
+    (dict(descale1=lambda a: a["descale1"].double()), "descale1 must be \\[384\\] float32/float16/bfloat16"),
+    (dict(gamma1=lambda a: a["gamma1"].float()), "gamma1 must be torch.bfloat16"),
+    (dict(cos=lambda a: a["cos"].half()), "cos must be torch.bfloat16"),
+    (dict(gamma0=lambda a: a["gamma0"][:100]), "gamma0 must be \\[2048\\] torch.bfloat16"),
+    (dict(wuk=lambda a: a["wuk"].to("meta")), "every tensor must be on input's device cpu, got wuk on meta"),
+])
+def test_every_bad_input_is_a_clear_error(changes, message):
+    a, kw = _broken(**changes)
+    with pytest.raises(ValueError, match=message):
+        run_op(a, kw)
+    fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode, pytest.raises(ValueError, match=message):  # the fake kernel checks the same rules
+        run_op({k: fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in a.items()}, kw)
+
+
+# -- the eager NPU kernel, against torch_npu's ATB binding as the wheel registers it ----------------
+def atb_schema():
+    """``atb::npu_mla_preprocess``'s schema, read from the torch_npu wheel's op library (torch_npu
+    itself cannot be imported here)."""
+    import re
+
+    from torchair_offline import TORCH_NPU_DIR
+
+    library = TORCH_NPU_DIR / "torch_npu" / "lib" / "libop_plugin_atb.so"
+    if not library.is_file():
+        pytest.skip("torch_npu not fetched: run `make test`")
+    found = re.search(rb"npu_mla_preprocess\(Tensor input[ -~]*?\) -> \([ -~]*?\)", library.read_bytes())
+    return torch._C.parse_schema("atb::" + found.group(0).decode())
+
+
+def fake_atb(calls):
+    """torch_npu.atb.npu_mla_preprocess as its schema and doc define it: every call checked against
+    the schema; ATB's semantics (skip slot < 0, string modes, int64 fp16 descale) run on the reference."""
+    schema = atb_schema()
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    keywords = {a.name: a for a in schema.arguments if a.kwarg_only}
+
+    def npu_mla_preprocess(*args, **kwargs):
+        calls.append(kwargs)
+        assert len(args) == len(positional), f"{len(args)} positional arguments, the schema has {len(positional)}"
+        assert set(kwargs) <= set(keywords), f"unknown keywords {set(kwargs) - set(keywords)}"
+        for spec, value in [*zip(positional, args), *((keywords[k], v) for k, v in kwargs.items())]:
+            if not isinstance(spec.type, torch.OptionalType):
+                assert isinstance(value, torch.Tensor), f"{spec.name} is a Tensor in the schema, got {value!r}"
+        assert kwargs["cache_mode"] in ("krope_ctkv", "int8_nzcache", "nzcache")
+        assert kwargs["quant_mode"] in ("per_tensor_quant_asymm", "per_token_quant_symm")
+        a = dict(zip([p.name for p in positional], args), **kwargs)
+        assert a["slotmapping"].dtype == torch.int32 and bool((a["slotmapping"] >= 0).all())  # ATB skips < 0
+        for name in ("descale0", "descale1"):
+            if a[name].dtype == torch.int64:  # fp16: the float32 bits
+                a[name] = a[name].to(torch.int32).view(torch.float32)
+        a.update(cache_mode={"krope_ctkv": 1, "int8_nzcache": 2, "nzcache": 3}[a["cache_mode"]],
+                 quant_mode={"per_tensor_quant_asymm": 0, "per_token_quant_symm": 1}[a["quant_mode"]],
+                 epsilon=M.ATB_EPSILON)
+        q0, q1 = M._run(a)
+        return q0, a["kv_cache"], q1, a["kv_cache_rope"]
+
+    return npu_mla_preprocess
+
+
+@pytest.mark.parametrize("cache_mode", [0, 1, 3])
+@pytest.mark.parametrize("dtype, quantized", [(torch.bfloat16, True), (torch.float16, True), (torch.bfloat16, False)])
+def test_npu_kernel_calls_atb_as_its_schema_says_and_keeps_the_ops_meaning(monkeypatch, cache_mode, dtype, quantized):
+    import npu_fuse_backend as nf
+
+    calls = []
+    monkeypatch.setattr(M, "_atb_mla_preprocess", lambda: fake_atb(calls))
+    a, kw = make_inputs(dtype=dtype, cache_mode=cache_mode, quantized=quantized)
+    a["slotmapping"][1] = -2  # Python indexing: the second slot from the end
+    expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+    q0, q1 = M._run({**M.bind_args((), {**expected, **kw}), "epsilon": M.ATB_EPSILON})
+    with nf.config.patch(soc="Ascend910B"):
+        got = M.mla_preprocess_npu({**M.bind_args((), {**a, **kw}), "epsilon": M.ATB_EPSILON})
+    assert len(calls) == 1
+    torch.testing.assert_close(got[0].float(), q0.float(), atol=0, rtol=0)
+    torch.testing.assert_close(got[1].float(), q1.float(), atol=0, rtol=0)
+    for cache in ("kv_cache", "kv_cache_rope"):
+        assert torch.equal(a[cache], expected[cache])
+
+
+def test_npu_kernel_runs_the_reference_where_atb_has_no_kernel(monkeypatch):
+    import npu_fuse_backend as nf
+
+    monkeypatch.setattr(M, "_atb_mla_preprocess", lambda: pytest.fail("ATB called"))
+    a, kw = make_inputs()
+    for soc, eps in (("Ascend950", M.ATB_EPSILON), ("Ascend910B", 1e-5)):  # no ATB kernel; another epsilon
+        with nf.config.patch(soc=soc):
+            M.mla_preprocess_npu({**M.bind_args((), {**a, **kw}), "epsilon": eps})
+
+
+def test_npu_kernel_is_registered_for_the_op():
+    from npu_fuse_backend.lowering import registry
+
+    assert any(fn is M._mla_preprocess_npu for _, fn in registry._npu_kernels)

@@ -12,7 +12,7 @@ quantize/dequantize rule, as seed 003 asks of a golden):
 6. ctkv = RMSNorm(kv[:, :512]; gamma2); k_rope = kv[:, 512:];
 7. half-rotation RoPE (cos, sin: [T, 64]) on q_rope and k_rope;
 8. ``q_nope @ wuk`` ([N, 128, 512]) -> [T, N, 512] (weight absorption);
-9. write ctkv / k_rope into the paged caches at slotmapping (slot < 0: skipped).
+9. write ctkv / k_rope into the paged caches at slotmapping.
 
 Quantization (as ATB's goldens define it): per-tensor asymmetric (quant_mode 0):
 ``q = clamp(round(y / quant_scale + quant_offset), -128, 127)``; per-token symmetric
@@ -22,11 +22,23 @@ dequantize also multiplies by ``s_t``. INT8_NZCACHE quantizes ctkv as
 NZ caches (modes 2, 3) hold ``[blocks, dim / c0, block_size, c0]`` in the memory of a
 ``[blocks, block_size, 1, dim]`` tensor, c0 = 16 (fp16/bf16) or 32 (int8).
 
+Slots (decision): a slot indexes the ``[blocks * block_size]`` rows of a cache as Python
+indexing does, ``-S <= slot < S`` with negatives counting from the end; anything else is
+an error. This is the meaning of ``cache.view(-1, D)[slot_mapping] = rows``, the code
+the fusion replaces, so the rewrite keeps eager's meaning, and eager's IndexError, for
+every slot. (ATB's own kernel instead skips tokens whose slot is negative; the NPU
+kernel below maps the slots onto it.)
+
 Outputs by cache_mode: KVCACHE (0): q_out0 = [T, N, 576] = cat(q_nope absorbed, q_rope),
 kv_cache holds [ctkv | k_rope]; KROPE_CTKV (1), INT8_NZCACHE (2), NZCACHE (3): q_out0 =
 q_nope absorbed [T, N, 512] (int8 in mode 2), q_out1 = q_rope [T, N, 64], kv_cache holds
 ctkv and kv_cache_rope holds k_rope. The caches are updated in place; the Python entry
 point :func:`mla_preprocess` returns them as the aliased outputs.
+
+Where it runs: the reference kernel and the inductor decomposition everywhere; on an NPU,
+torch_npu's ATB kernel (``torch_npu.atb.npu_mla_preprocess``) eagerly and the GE
+conversion in ``converters/mla_preprocess.py`` under torchair. ``@soc_limits`` below holds
+what those accept per SoC.
 """
 
 from typing import Optional
@@ -34,7 +46,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..registry import decomposition, refuse_autograd
+from ...soc import A2_A3, GENERIC
+from ..registry import decomposition, npu_kernel, refuse_autograd, soc_limits
 from ..rope_math import rotate
 
 __all__ = ["mla_preprocess"]  # public entry points (npu_fuse.ops)
@@ -45,6 +58,7 @@ KVCACHE, KROPE_CTKV, INT8_NZCACHE, NZCACHE = range(4)
 PER_TENSOR_QUANT_ASYMM, PER_TOKEN_QUANT_SYMM, PER_TOKEN_QUANT_ASYMM, UNQUANT = range(4)
 MAX_TOKENS = 1024
 HIDDEN_RANGE = (2048, 8192)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16)
 NAME = "npu_fuse.mla_preprocess"
 
 SCHEMA = (
@@ -55,6 +69,10 @@ SCHEMA = (
     "Tensor? ctkv_scale=None, Tensor? q_nope_scale=None, *, int cache_mode=0, int quant_mode=0, "
     "float epsilon=1e-06) -> (Tensor, Tensor)"
 )
+ARG_NAMES = ("input", "gamma0", "beta0", "wdqkv", "descale0", "gamma1", "beta1", "wuq", "descale1", "gamma2",
+             "cos", "sin", "wuk", "kv_cache", "kv_cache_rope", "slotmapping")
+OPTIONAL_NAMES = ("quant_scale0", "quant_offset0", "bias0", "quant_scale1", "quant_offset1", "bias1",
+                  "ctkv_scale", "q_nope_scale")
 
 
 def _require(ok: bool, rule: str) -> None:
@@ -63,71 +81,113 @@ def _require(ok: bool, rule: str) -> None:
 
 
 def is_quantized(input: Tensor, wdqkv: Tensor) -> bool:
-    return not (wdqkv.dtype == input.dtype and input.dtype in (torch.float16, torch.bfloat16))
+    return not (wdqkv.dtype == input.dtype and input.dtype in FLOAT_DTYPES)
+
+
+def bind_args(args: tuple, kwargs: dict) -> dict:
+    """The op's arguments by name, defaults filled in (``args`` in schema order)."""
+    a = dict(zip(ARG_NAMES + OPTIONAL_NAMES, args))
+    a.update(kwargs)
+    for name in OPTIONAL_NAMES:
+        a.setdefault(name, None)
+    a.setdefault("cache_mode", KVCACHE)
+    a.setdefault("quant_mode", PER_TENSOR_QUANT_ASYMM)
+    a.setdefault("epsilon", 1e-6)
+    return a
+
+
+def _shape(t) -> tuple:
+    return tuple(t.shape)
 
 
 def check_mla_preprocess_args(a: dict) -> None:
-    """Raise ValueError naming the first limit or shape rule the arguments break."""
+    """Raise ValueError naming the first limit, shape, dtype, layout or device rule the arguments
+    break (everything but the slot values, which only the kernels can read)."""
     x, cache_mode, quant_mode = a["input"], a["cache_mode"], a["quant_mode"]
     _require(cache_mode in (KVCACHE, KROPE_CTKV, INT8_NZCACHE, NZCACHE),
              f"cache_mode must be 0 (KVCACHE), 1 (KROPE_CTKV), 2 (INT8_NZCACHE) or 3 (NZCACHE), got {cache_mode}")
     _require(quant_mode in (PER_TENSOR_QUANT_ASYMM, PER_TOKEN_QUANT_SYMM),
              f"quant_mode {quant_mode} is not supported: only 0 (PER_TENSOR_QUANT_ASYMM) and 1 "
              "(PER_TOKEN_QUANT_SYMM); 2 (PER_TOKEN_QUANT_ASYMM) and 3 (UNQUANT) are refused")
-    _require(x.dim() == 2 and x.dtype in (torch.float16, torch.bfloat16),
-             f"input must be [tokens, hidden] float16/bfloat16, got {tuple(x.shape)} {x.dtype}")
-    tokens, hidden = x.shape
+    _require(x.dim() == 2 and x.dtype in FLOAT_DTYPES,
+             f"input must be [tokens, hidden] float16/bfloat16, got {_shape(x)} {x.dtype}")
+    for name, t in a.items():
+        if isinstance(t, Tensor) and t.device != x.device:
+            raise ValueError(f"{NAME}: every tensor must be on input's device {x.device}, got {name} on {t.device}")
+    dtype, (tokens, hidden) = x.dtype, x.shape
     _require(1 <= tokens <= MAX_TOKENS, f"token count must be in 1..{MAX_TOKENS}, got {tokens}")
     _require(HIDDEN_RANGE[0] <= hidden <= HIDDEN_RANGE[1],
              f"hidden size must be 7168 or in {HIDDEN_RANGE[0]}..{HIDDEN_RANGE[1]}, got {hidden}")
     heads = a["wuk"].shape[0] if a["wuk"].dim() == 3 else -1
-    _require(tuple(a["wuk"].shape) == (heads, NOPE, KV_LORA) and heads > 0,
-             f"wuk must be [heads, {NOPE}, {KV_LORA}], got {tuple(a['wuk'].shape)}")
-    _require(tuple(a["wdqkv"].shape) == (QKV, hidden), f"wdqkv must be [{QKV}, {hidden}], got {tuple(a['wdqkv'].shape)}")
-    _require(tuple(a["wuq"].shape) == (heads * (NOPE + ROPE), Q_LORA),
-             f"wuq must be [{heads * (NOPE + ROPE)}, {Q_LORA}], got {tuple(a['wuq'].shape)}")
+    _require(_shape(a["wuk"]) == (heads, NOPE, KV_LORA) and heads > 0,
+             f"wuk must be [heads, {NOPE}, {KV_LORA}], got {_shape(a['wuk'])}")
+    _require(_shape(a["wdqkv"]) == (QKV, hidden), f"wdqkv must be [{QKV}, {hidden}], got {_shape(a['wdqkv'])}")
+    _require(_shape(a["wuq"]) == (heads * (NOPE + ROPE), Q_LORA),
+             f"wuq must be [{heads * (NOPE + ROPE)}, {Q_LORA}], got {_shape(a['wuq'])}")
     for name, size in (("gamma1", Q_LORA), ("beta1", Q_LORA), ("gamma2", KV_LORA)):
-        _require(tuple(a[name].shape) == (size,), f"{name} must be [{size}], got {tuple(a[name].shape)}")
+        _require(_shape(a[name]) == (size,), f"{name} must be [{size}], got {_shape(a[name])}")
     for name in ("cos", "sin"):
-        _require(tuple(a[name].shape) == (tokens, ROPE), f"{name} must be [{tokens}, {ROPE}], got {tuple(a[name].shape)}")
-    _require(tuple(a["slotmapping"].shape) == (tokens,) and a["slotmapping"].dtype in (torch.int32, torch.int64),
-             f"slotmapping must be int32/int64 [{tokens}], got {tuple(a['slotmapping'].shape)} {a['slotmapping'].dtype}")
+        _require(_shape(a[name]) == (tokens, ROPE), f"{name} must be [{tokens}, {ROPE}], got {_shape(a[name])}")
+    for name in ("gamma1", "beta1", "gamma2", "cos", "sin", "wuk"):
+        _require(a[name].dtype == dtype, f"{name} must be {dtype} (input's dtype), got {a[name].dtype}")
+    _require(_shape(a["slotmapping"]) == (tokens,) and a["slotmapping"].dtype in (torch.int32, torch.int64),
+             f"slotmapping must be int32/int64 [{tokens}], got {_shape(a['slotmapping'])} {a['slotmapping'].dtype}")
     quantized = is_quantized(x, a["wdqkv"])
     if quantized:
         _require(a["wdqkv"].dtype == torch.int8 and a["wuq"].dtype == torch.int8,
-                 f"weights must be int8 (quantized path) or {x.dtype} (unquantized path), got wdqkv "
+                 f"weights must be int8 (quantized path) or {dtype} (unquantized path), got wdqkv "
                  f"{a['wdqkv'].dtype}, wuq {a['wuq'].dtype}")
         for name, size in (("gamma0", hidden), ("beta0", hidden)):
-            _require(tuple(a[name].shape) == (size,), f"{name} must be [{size}], got {tuple(a[name].shape)}")
-        _require(tuple(a["descale0"].shape) == (QKV,), f"descale0 must be [{QKV}], got {tuple(a['descale0'].shape)}")
-        _require(tuple(a["descale1"].shape) == (heads * 192,),
-                 f"descale1 must be [{heads * 192}], got {tuple(a['descale1'].shape)}")
+            _require(_shape(a[name]) == (size,) and a[name].dtype == dtype,
+                     f"{name} must be [{size}] {dtype}, got {_shape(a[name])} {a[name].dtype}")
+        for name, size in (("descale0", QKV), ("descale1", heads * (NOPE + ROPE))):
+            _require(_shape(a[name]) == (size,) and a[name].dtype in (torch.float32, *FLOAT_DTYPES),
+                     f"{name} must be [{size}] float32/float16/bfloat16, got {_shape(a[name])} {a[name].dtype}")
         if quant_mode == PER_TENSOR_QUANT_ASYMM:
-            for name in ("quant_scale0", "quant_offset0", "quant_scale1", "quant_offset1"):
-                _require(a[name] is not None and a[name].numel() == 1, f"{name} must be a [1] tensor (per-tensor quant)")
+            for i, size in ((0, QKV), (1, heads * (NOPE + ROPE))):
+                scale, offset, bias = a[f"quant_scale{i}"], a[f"quant_offset{i}"], a[f"bias{i}"]
+                _require(scale is not None and _shape(scale) == (1,) and scale.dtype == dtype,
+                         f"quant_scale{i} must be a [1] {dtype} tensor (per-tensor quant in the input's dtype)")
+                _require(offset is not None and _shape(offset) == (1,) and offset.dtype == torch.int8,
+                         f"quant_offset{i} must be a [1] int8 tensor (per-tensor quant)")
+                _require(bias is None or (_shape(bias) == (size,) and bias.dtype == torch.int32),
+                         f"bias{i} must be [{size}] int32")
     else:
-        _require(a["wuq"].dtype == x.dtype, f"unquantized path: wuq must be {x.dtype}, got {a['wuq'].dtype}")
-    _require(a["wuk"].dtype == x.dtype, f"wuk must be {x.dtype}, got {a['wuk'].dtype}")
+        _require(a["wuq"].dtype == dtype, f"unquantized path: wuq must be {dtype}, got {a['wuq'].dtype}")
     kv_cache, kv_rope = a["kv_cache"], a["kv_cache_rope"]
     _require(kv_cache.dim() == 4 and kv_cache.shape[2] == 1, f"kv_cache must be [blocks, block_size, 1, dim], "
-             f"got {tuple(kv_cache.shape)}")
+             f"got {_shape(kv_cache)}")
     block_size = kv_cache.shape[1]
     _require(1 <= block_size <= 128 or block_size == 256, f"block_size must be in [1, 128] or 256, got {block_size}")
     if cache_mode in (INT8_NZCACHE, NZCACHE):
         _require(block_size == 128, f"cache_mode {cache_mode} (NZ cache) needs block_size 128, got {block_size}")
     width = KV_LORA + ROPE if cache_mode == KVCACHE else KV_LORA
-    cache_dtype = torch.int8 if cache_mode == INT8_NZCACHE else x.dtype
+    cache_dtype = torch.int8 if cache_mode == INT8_NZCACHE else dtype
     _require(kv_cache.shape[3] == width and kv_cache.dtype == cache_dtype,
              f"kv_cache must be [blocks, block_size, 1, {width}] {cache_dtype} for cache_mode {cache_mode}, "
-             f"got {tuple(kv_cache.shape)} {kv_cache.dtype}")
+             f"got {_shape(kv_cache)} {kv_cache.dtype}")
+    caches = [("kv_cache", kv_cache)]
     if cache_mode != KVCACHE:
-        _require(tuple(kv_rope.shape) == (kv_cache.shape[0], block_size, 1, ROPE) and kv_rope.dtype == x.dtype,
-                 f"kv_cache_rope must be [{kv_cache.shape[0]}, {block_size}, 1, {ROPE}] {x.dtype}, "
-                 f"got {tuple(kv_rope.shape)} {kv_rope.dtype}")
+        _require(_shape(kv_rope) == (kv_cache.shape[0], block_size, 1, ROPE) and kv_rope.dtype == dtype,
+                 f"kv_cache_rope must be [{kv_cache.shape[0]}, {block_size}, 1, {ROPE}] {dtype}, "
+                 f"got {_shape(kv_rope)} {kv_rope.dtype}")
+        caches.append(("kv_cache_rope", kv_rope))
+    for name, cache in caches:  # the kernels write rows of the cache's [slots, dim] view
+        _require(cache.is_contiguous(), f"{name} must be contiguous (the op writes rows of its "
+                 f"[blocks * block_size, dim] view), got strides {tuple(cache.stride())}")
     if cache_mode == INT8_NZCACHE:
         _require(a["ctkv_scale"] is not None and a["ctkv_scale"].numel() == 1, "INT8_NZCACHE needs ctkv_scale [1]")
         _require(a["q_nope_scale"] is not None and a["q_nope_scale"].numel() == heads,
                  f"INT8_NZCACHE needs q_nope_scale with {heads} values (one per head)")
+
+
+def check_slots(slots: Tensor, cache: Tensor) -> None:
+    """IndexError for a slot outside ``-S..S-1`` (S = blocks * block_size), as Python indexing."""
+    count = cache.shape[0] * cache.shape[1]
+    bad = (slots < -count) | (slots >= count)
+    if bool(bad.any()):
+        raise IndexError(f"{NAME}: slotmapping value {int(slots[bad][0])} is out of range for a cache of "
+                         f"{count} slots (valid: -{count}..{count - 1}, negative counting from the end)")
 
 
 # -- stages of the reference -------------------------------------------------------------
@@ -162,10 +222,18 @@ def nz_view(cache: Tensor, c0: int) -> Tensor:
     return cache.view(blocks, dim // c0, block_size, c0)
 
 
+def slot_rows(slots: Tensor, cache: Tensor) -> Tensor:
+    """The row of each slot in the cache's [blocks * block_size, dim] view (int64; negative
+    slots count from the end). Out-of-range slots stay out of range."""
+    count = cache.shape[0] * cache.shape[1]
+    slots = slots.long()
+    return torch.where(slots < 0, slots + count, slots)
+
+
 def write_cache(cache: Tensor, rows: Tensor, slots: Tensor, nz: bool) -> None:
-    """cache[slot] = rows for every token whose slot is >= 0 (ND or NZ layout)."""
-    keep = slots >= 0
-    slots, rows = slots[keep].long(), rows[keep].to(cache.dtype)
+    """cache[slot] = rows (ND or NZ layout), slots as Python indexes."""
+    check_slots(slots, cache)
+    slots, rows = slot_rows(slots, cache), rows.to(cache.dtype)
     blocks, block_size, _, dim = cache.shape
     if not nz:
         cache.view(-1, dim).index_copy_(0, slots, rows)
@@ -214,29 +282,20 @@ def mla_preprocess_stages(a: dict) -> dict:
 
 def cache_written(cache: Tensor, rows: Tensor, slots: Tensor, nz: bool) -> Tensor:
     """Functional cache write (a new cache) for compilers, with static shapes and no copy of
-    the cache. A skipped token (slot < 0) repeats the first written token's write (same
-    place, same value), so the order of duplicate writes cannot matter; with no token
-    written, it writes some of the cache's own values back in place."""
+    the cache: one ``index_put``, whose compiled form (inductor) wraps negative indexes and
+    raises on out-of-range ones exactly as eager indexing does."""
     blocks, block_size, _, dim = cache.shape
-    rows, slot = rows.to(cache.dtype), slots.long()[:, None]
-    if nz:  # element d of a slot's row lives at [block][d // c0][offset][d % c0] of the flat cache
-        c0 = 32 if cache.dtype == torch.int8 else 16
-        d = torch.arange(dim, device=cache.device)[None, :]
-        block, offset = slot // block_size, slot % block_size
-        target = cache.reshape(-1)
-        index = block * block_size * dim + (d // c0) * block_size * c0 + offset * c0 + d % c0
-        noop_index, noop_rows = d, target[:dim].view(1, dim)  # elements 0..dim-1 rewritten as they are
-    else:  # whole rows of the [slots, dim] view
-        target = cache.view(-1, dim)
-        index, noop_index, noop_rows = slot, slot.new_zeros(1, 1), target[:1]
-    keep = slot >= 0
-    first = torch.argmax(keep.int()).view(1)  # the first written token (0 when none is)
-    first_writes = keep.index_select(0, first)
-    index = torch.where(keep, index, torch.where(first_writes, index.index_select(0, first), noop_index))
-    rows = torch.where(keep, rows, torch.where(first_writes, rows.index_select(0, first), noop_rows))
-    if nz:
-        return target.index_put((index.reshape(-1),), rows.reshape(-1)).view(cache.shape)
-    return target.index_put((index.reshape(-1),), rows).view(cache.shape)
+    rows = rows.to(cache.dtype)
+    if not nz:  # whole rows of the [slots, dim] view
+        return cache.view(-1, dim).index_put((slots.long(),), rows).view(cache.shape)
+    # element d of a slot's row lives at [block][d // c0][offset][d % c0] of the flat cache
+    c0 = 32 if cache.dtype == torch.int8 else 16
+    row = slot_rows(slots, cache)[:, None]
+    d = torch.arange(dim, device=cache.device)[None, :]
+    block, offset = row // block_size, row % block_size
+    index = block * block_size * dim + (d // c0) * block_size * c0 + offset * c0 + d % c0
+    index = torch.where((row >= 0) & (row < blocks * block_size), index, cache.numel())  # out of range stays so
+    return cache.reshape(-1).index_put((index.reshape(-1),), rows.reshape(-1)).view(cache.shape)
 
 
 def mla_preprocess_functional(**a) -> tuple:
@@ -277,10 +336,6 @@ def _run(a: dict) -> tuple:
     return q_nope, s["q_rope"]
 
 
-ARG_NAMES = ("input", "gamma0", "beta0", "wdqkv", "descale0", "gamma1", "beta1", "wuq", "descale1", "gamma2",
-             "cos", "sin", "wuk", "kv_cache", "kv_cache_rope", "slotmapping")
-
-
 @torch.library.custom_op("npu_fuse::mla_preprocess", mutates_args=("kv_cache", "kv_cache_rope"), schema=SCHEMA)
 def _mla_preprocess_op(input, gamma0, beta0, wdqkv, descale0, gamma1, beta1, wuq, descale1, gamma2, cos, sin,
                        wuk, kv_cache, kv_cache_rope, slotmapping, quant_scale0=None, quant_offset0=None,
@@ -315,3 +370,113 @@ def mla_preprocess(input, gamma0, beta0, wdqkv, descale0, gamma1, beta1, wuq, de
 decomposition(torch.ops.npu_fuse.mla_preprocess.default)(mla_preprocess_functional)
 refuse_autograd("mla_preprocess", "an inference op with no autograd; an input requires grad (call it under "
                 "torch.no_grad())")
+
+
+# -- what each SoC's lowering of the op accepts ---------------------------------------------
+# Atlas A2/A3 run GE ``MlaPreprocess`` under torchair (its aclnn limits: OT @ 107749eb
+# attention/mla_preprocess/docs/aclnnMlaPreprocess.md; head counts of the older doc, F2 @ 9cfcdcb3)
+# and ATB's kernel eagerly (tokens <= 1024): a call must fit both.
+GE_MAX_TOKENS = 256
+GE_HEADS = (16, 32, 64, 128)
+GE_HIDDEN_MULTIPLE = 256
+GE_CACHE_MODES = (KVCACHE, KROPE_CTKV)  # the ND caches the conversion scatters into (converters/mla_preprocess.py)
+
+
+@soc_limits(torch.ops.npu_fuse.mla_preprocess.default)
+def mla_preprocess_soc_limits(soc: str, *args, **kwargs) -> Optional[str]:
+    """Why the op's NPU lowering on ``soc`` cannot take this call, or None."""
+    if soc == GENERIC:
+        return None
+    a = bind_args(args, kwargs)
+    if a["cache_mode"] not in GE_CACHE_MODES:
+        return f"cache_mode {a['cache_mode']}: the GE conversion writes ND caches (KVCACHE 0, KROPE_CTKV 1) only"
+    if a["quant_mode"] != PER_TENSOR_QUANT_ASYMM:
+        return f"quant_mode {a['quant_mode']}: the GE op implements PER_TENSOR_QUANT_ASYMM (0) only"
+    if soc not in A2_A3:  # Ascend950: no MlaPreprocess there, the conversion spells the stages out in GE ops
+        return None
+    tokens, hidden = a["input"].shape
+    heads = a["wuk"].shape[0]
+    if not isinstance(tokens, int):
+        return f"token count is symbolic ({tokens}); MlaPreprocess needs a static one of at most {GE_MAX_TOKENS}"
+    if tokens > GE_MAX_TOKENS:
+        return f"{tokens} tokens: MlaPreprocess takes at most {GE_MAX_TOKENS}"
+    if heads not in GE_HEADS:
+        return f"{heads} heads: MlaPreprocess takes {', '.join(map(str, GE_HEADS))}"
+    if hidden % GE_HIDDEN_MULTIPLE:
+        return f"hidden size {hidden}: MlaPreprocess takes a multiple of {GE_HIDDEN_MULTIPLE}"
+    return None
+
+
+# -- the eager NPU kernel: torch_npu's ATB MlaPreprocess ---------------------------------------
+# torch_npu 2.13.0 (torch_npu/lib/libop_plugin_atb.so; doc torch_npu/op_plugin/atb/_atb_api_docs.py):
+# npu_mla_preprocess(input, gamma0, beta0, wdqkv, descale0, gamma1, beta1, wuq, descale1, gamma2, cos, sin,
+# wuk, kv_cache, kv_cache_rope, slotmapping, *, quant_scale0, quant_offset0, bias0, quant_scale1,
+# quant_offset1, bias1, ctkv_scale, q_nope_scale, str? cache_mode, str? quant_mode) -> 4 Tensors.
+ATB_CACHE_MODES = {KROPE_CTKV: "krope_ctkv", INT8_NZCACHE: "int8_nzcache", NZCACHE: "nzcache"}
+ATB_QUANT_MODES = {PER_TENSOR_QUANT_ASYMM: "per_tensor_quant_asymm", PER_TOKEN_QUANT_SYMM: "per_token_quant_symm"}
+ATB_EPSILON = 1e-6  # the binding has no epsilon; ATB's MlaPreprocess goldens normalize with 1e-6
+
+
+def _atb_mla_preprocess():
+    import torch_npu
+
+    return torch_npu.atb.npu_mla_preprocess
+
+
+def atb_descale(descale: Tensor, dtype: torch.dtype) -> Tensor:
+    """ATB's dequant scale: float32 with bf16 input; with fp16 input the float32 bits as int64
+    (ATB's MlaPreprocess tests: ``torch.frombuffer(f32 bytes, int32).to(int64)``)."""
+    descale = descale.float().contiguous()
+    return descale.view(torch.int32).to(torch.int64) if dtype == torch.float16 else descale
+
+
+def _atb_call(a: dict, kv_cache: Tensor, kv_cache_rope: Tensor, slots: Tensor, cache_mode: int) -> tuple:
+    quantized = is_quantized(a["input"], a["wdqkv"])
+    dtype = a["input"].dtype
+    keywords = {name: a[name] for name in OPTIONAL_NAMES}
+    return _atb_mla_preprocess()(
+        a["input"], a["gamma0"], a["beta0"], a["wdqkv"],
+        atb_descale(a["descale0"], dtype) if quantized else a["descale0"], a["gamma1"], a["beta1"], a["wuq"],
+        atb_descale(a["descale1"], dtype) if quantized else a["descale1"], a["gamma2"], a["cos"], a["sin"],
+        a["wuk"], kv_cache, kv_cache_rope, slots.int(), **keywords, cache_mode=ATB_CACHE_MODES[cache_mode],
+        quant_mode=ATB_QUANT_MODES[a["quant_mode"]])
+
+
+def mla_preprocess_npu(a: dict) -> tuple:
+    """The op on an NPU. ATB skips tokens whose slot is negative and has no KVCACHE mode in
+    torch_npu, so the ND modes let ATB write a scratch cache pair (token t at slot t) and
+    scatter its rows into the real caches with Python indexing; the NZ modes get their slots
+    wrapped into range. Off the Atlas A2/A3 family (no ATB kernel) or with another epsilon,
+    the reference kernel runs on the NPU."""
+    from ...soc import resolve_soc
+
+    check_mla_preprocess_args(a)
+    if resolve_soc() not in A2_A3 or a["epsilon"] != ATB_EPSILON:
+        return _run(a)
+    mode, x, slots = a["cache_mode"], a["input"], a["slotmapping"]
+    if mode in (INT8_NZCACHE, NZCACHE):
+        q_nope, kv_out, q_rope, kr_out = _atb_call(a, a["kv_cache"], a["kv_cache_rope"],
+                                                   slot_rows(slots, a["kv_cache"]), mode)
+        for cache, out in ((a["kv_cache"], kv_out), (a["kv_cache_rope"], kr_out)):
+            if out.data_ptr() != cache.data_ptr():
+                cache.copy_(out)
+        return q_nope, q_rope
+    tokens = x.shape[0]
+    ctkv = x.new_empty(tokens, 1, 1, KV_LORA)
+    k_rope = x.new_empty(tokens, 1, 1, ROPE)
+    q_nope, ctkv, q_rope, k_rope = _atb_call(a, ctkv, k_rope, torch.arange(tokens, device=x.device), KROPE_CTKV)
+    ctkv, k_rope = ctkv.view(tokens, KV_LORA), k_rope.view(tokens, ROPE)
+    if mode == KVCACHE:
+        a["kv_cache"].view(-1, KV_LORA + ROPE).index_put_((slots.long(),), torch.cat([ctkv, k_rope], -1))
+        return torch.cat([q_nope, q_rope], dim=-1), q_rope.new_empty(0)
+    a["kv_cache"].view(-1, KV_LORA).index_put_((slots.long(),), ctkv)
+    a["kv_cache_rope"].view(-1, ROPE).index_put_((slots.long(),), k_rope)
+    return q_nope, q_rope
+
+
+@npu_kernel(_mla_preprocess_op)
+def _mla_preprocess_npu(input, gamma0, beta0, wdqkv, descale0, gamma1, beta1, wuq, descale1, gamma2, cos, sin,
+                        wuk, kv_cache, kv_cache_rope, slotmapping, quant_scale0=None, quant_offset0=None,
+                        bias0=None, quant_scale1=None, quant_offset1=None, bias1=None, ctkv_scale=None,
+                        q_nope_scale=None, *, cache_mode=0, quant_mode=0, epsilon=1e-6):
+    return mla_preprocess_npu(dict(locals()))

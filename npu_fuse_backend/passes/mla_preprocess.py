@@ -3,7 +3,7 @@
 Pattern: DeepSeek-V2/V3 attention as serving engines write it, found from its q RoPE:
 
     [RMSNorm(+beta) + quantize]            x -> int8                    (w8a8 only)
-    qkv = x @ wdqkv^T [dequantize]         [T, 1536 + 512 + 64]
+    qkv = x @ wdqkv^T (or x @ wdqkv)       [T, 1536 + 512 + 64], [dequantize]
     q_c, kv = split(qkv, [1536, 576])
     q = RMSNorm(q_c)[+quant] @ wuq^T [dequant] .view(T, N, 192); q_nope, q_pe = split(q, [128, 64])
     kv_c, k_pe = split(kv, [512, 64]); ctkv = RMSNorm(kv_c)
@@ -15,16 +15,21 @@ Pattern: DeepSeek-V2/V3 attention as serving engines write it, found from its q 
 RoPE may also be DeepSeek's reference "interleaved" form, which de-interleaves the pairs
 (``view(.., 32, 2).transpose(-1, -2).reshape``) before a half rotation: the fusion then
 permutes the rope rows of wdqkv and wuq (and their descale/bias) the same way, so the
-op's half rotation computes exactly the same values.
+op's half rotation computes exactly the same values. Weights kept ``[in, out]`` (``x @ w``)
+are handed to the op transposed.
 
 Replacement: one ``mla_preprocess`` (KVCACHE mode; quant_mode 0 or unquantized) whose
 q_out replaces the final cat and whose updated cache replaces the written cache.
 
-A candidate with a stage missing (no fused wdqkv split, no cache write, no absorption,
-as in training-style code such as Hugging Face's DeepSeek attention) is a near-miss
-naming the stage; its RoPE sites stay for the RoPE fusions. Under a named SoC the NPU
-op's limits are gates: Ascend910B family only, at most 1024 tokens, block size in
-[1, 128] or 256, hidden 7168 (native) or 2048..8192 (aclnn path).
+Every candidate (a half RoPE on the tail of a [T, N, D] head) ends as a fusion or as a
+near-miss naming the stage and the value that broke it: a missing stage (training-style
+code such as Hugging Face's DeepSeek attention: no fused wdqkv split, no cache write, no
+absorption), a size the op does not take, a dtype, a write flag that changes the meaning
+(``accumulate=True``), or an argument the op's contract refuses. Its RoPE sites then stay
+for the RoPE fusions. Slots keep eager's meaning: ``index_put`` reads them as Python
+indexes, as the op does; ``index_copy_``/``scatter_`` refuse negative ones, so those become
+an out-of-range slot the op refuses too. What each SoC's lowering accepts is checked by the
+pass manager against the op's ``@soc_limits``.
 """
 
 import dataclasses
@@ -35,13 +40,12 @@ import torch
 from torch.fx import Node
 
 from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
-from ..graph_utils import aten, is_call, rank, shape_eq, static_int, users_outside, val
+from ..graph_utils import VIEWS, aten, is_call, rank, shape_eq, static_int, users_outside, val
 from ..lowering.ops import mla_preprocess as mla
 from ..matchers import (
     Linear, RmsNorm, RopeSite, deinterleaved, last_dim_piece, match_linear, match_rms_norm, match_rope_site,
     pieces_of, swaps_01,
 )
-from ..soc import A2_A3, GENERIC
 
 
 @dataclasses.dataclass
@@ -60,7 +64,7 @@ class CacheWrite:
 
     cache: Node
     slots: Node
-    wrap: bool  # python indexing: a negative slot counts from the end
+    python_indexes: bool  # index_put: a negative slot counts from the end; index_copy/scatter refuse it
     new_cache: Node
     nodes: list
 
@@ -89,7 +93,7 @@ class Prologue:
     sin: Node
     cache: Node
     slots: Node
-    wrap: bool
+    python_indexes: bool
     heads: int
     eps: float
     permute: bool  # DeepSeek's interleaved RoPE: the rope rows of the weights are permuted
@@ -116,6 +120,10 @@ def _piece_of(node, size: int):
     return piece
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 @register_fusion
 class MlaPreprocessFusion(FusionPass):
     """DeepSeek MLA prologue (projections, norms, RoPE, absorption, cache write) -> one op."""
@@ -124,43 +132,65 @@ class MlaPreprocessFusion(FusionPass):
     family = "mla_preprocess"
     op = "mla_preprocess"
     anchor_targets = (aten.add.Tensor,)
-    runs_before = ("partial_rope", "rope")  # they would take its two RoPE sites alone
+    runs_before = ("partial_rope", "rope", "rope_interleave")  # they would take its two RoPE sites alone
 
     def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
         try:
             site = match_rope_site(anchor)
         except NotFused:  # the RoPE passes report that site
             return None
-        if site is None or site.rotation.mode != "half":
+        if site is None:
             return None
         q_pe, deinterleave = site.x, []
         pairs = deinterleaved(q_pe)
         if pairs is not None:
             q_pe, deinterleave = pairs.source, pairs.nodes
-        piece = _piece_of(q_pe, mla.NOPE + mla.ROPE)
-        if piece is None or (piece.start, piece.end) != (mla.NOPE, mla.NOPE + mla.ROPE) or rank(piece.source) != 3:
-            return None  # not the rope half of an MLA q head
+        piece = last_dim_piece(q_pe)
+        if piece is None or piece.step != 1 or rank(piece.source) != 3:
+            return None
+        width = static_int(val(piece.source).shape[-1])
+        if width is None or not 0 < piece.start < piece.end == width:
+            return None  # not the rope tail of a [T, N, nope + rope] q head
+        if site.rotation.mode != "half":
+            raise NotFused("stage 7: the q RoPE rotates interleaved pairs (x[2k], x[2k+1]); the op rotates "
+                           "halves (DeepSeek's de-interleave-then-rotate-halves form fuses)")
         return self._match(ctx, anchor, site, piece, deinterleave)
 
     def _match(self, ctx, q_rope_add, q_site: RopeSite, q_piece, deinterleave) -> Rewrite:
         q3 = q_piece.source
         nodes = [q_rope_add, *q_site.nodes, *q_piece.nodes, *deinterleave]
+        dtype = val(q3).dtype
+        if dtype not in mla.FLOAT_DTYPES:
+            raise NotFused(f"{_dtype_name(dtype)} is not a dtype of the op (float16, bfloat16)")
+        nope, rope = q_piece.start, q_piece.end - q_piece.start
+        if rope != mla.ROPE:
+            raise NotFused(f"stage 7: q rope dim {rope} (of a {nope + rope}-wide q head); the op takes {mla.ROPE}")
+        if nope != mla.NOPE:
+            raise NotFused(f"stage 5: q nope dim {nope} (of a {nope + rope}-wide q head); the op takes {mla.NOPE}")
         heads = static_int(val(q3).shape[1])
-        if not is_call(q3, aten.view.default, aten._unsafe_view.default, aten.reshape.default):
-            raise NotFused("q [T, N, 192] is not a view of the q_b projection")
+        if heads is None:
+            raise NotFused(f"stage 5: the head count {val(q3).shape[1]} is symbolic; the op needs a static one")
+        if not is_call(q3, *VIEWS):
+            raise NotFused(f"stage 5: q {list(val(q3).shape)} is not a view of the q_b projection")
         q_lin = match_linear(q3.args[0])
         if q_lin is None:
-            raise NotFused("stage 5 (q_b projection x @ wuq^T) not found")
+            raise NotFused("stage 5 (q_b projection x @ wuq^T or x @ wuq) not found")
         norm1 = match_rms_norm(q_lin.x)
         if norm1 is None:
-            raise NotFused("stage 4 (RMSNorm of the q latent) not found")
-        q_c = _piece_of(norm1.x, mla.QKV)
-        if q_c is None or (q_c.start, q_c.end) != (0, mla.Q_LORA):
-            raise NotFused("stages 2-3 (fused wdqkv projection split at 1536) not found")
+            raise NotFused("stage 4 (RMSNorm over the last dim of the q latent) not found")
+        q_c = last_dim_piece(norm1.x)
+        if q_c is None or q_c.step != 1 or q_c.start != 0:
+            raise NotFused("stages 2-3 (the q latent as the first part of a fused wdqkv projection) not found")
+        if q_c.end != mla.Q_LORA:
+            raise NotFused(f"stage 3: q latent width {q_c.end}; the op takes {mla.Q_LORA}")
         qkv = q_c.source
+        qkv_width = static_int(val(qkv).shape[-1])
+        if qkv_width != mla.QKV:
+            raise NotFused(f"stage 2: fused wdqkv projection width {qkv_width}; the op takes {mla.QKV} "
+                           f"({mla.Q_LORA} + {mla.KV_LORA} + {mla.ROPE})")
         qkv_lin = match_linear(qkv)
         if qkv_lin is None:
-            raise NotFused("stage 2 (x @ wdqkv^T) not found")
+            raise NotFused("stage 2 (x @ wdqkv^T or x @ wdqkv) not found")
         quantized = qkv_lin.quant is not None
         if quantized != (q_lin.quant is not None):
             raise NotFused("one projection is quantized and the other is not")
@@ -184,15 +214,17 @@ class MlaPreprocessFusion(FusionPass):
             raise NotFused(f"the RMSNorms use different eps {sorted(eps)}; the op has one")
         q_out = absorbed.q_out
         x = norm0.x if norm0 else qkv_lin.x
-        self._check_limits(ctx, x, qkv_lin, q_lin, heads, cache_write)
+        if (val(qkv_lin.w).dtype == val(x).dtype) == quantized:
+            raise NotFused(f"wdqkv dtype {val(qkv_lin.w).dtype} does not fit the {val(x).dtype} input")
         leaked = users_outside(nodes, [q_out, cache_write.new_cache])
         if leaked is not None:
             raise NotFused(f"intermediate {leaked.name} is used outside the prologue (by "
                            f"{', '.join(u.name for u in leaked.users if u not in nodes)})")
         prologue = Prologue(x=x, norm0=norm0, norm1=norm1, ctkv=ctkv, qkv_lin=qkv_lin, q_lin=q_lin,
                             w_uk=absorbed.w_uk, cos=k_rope.cos, sin=k_rope.sin, cache=cache_write.cache,
-                            slots=cache_write.slots, wrap=cache_write.wrap, heads=heads, eps=eps.pop(),
-                            permute=bool(deinterleave))
+                            slots=cache_write.slots, python_indexes=cache_write.python_indexes, heads=heads,
+                            eps=eps.pop(), permute=bool(deinterleave))
+        _check_op_contract(ctx, prologue)
         anchor = min([q_out, cache_write.new_cache], key=ctx.position)
         late = [n for n in prologue.inputs() if ctx.position(n) > ctx.position(anchor)]
         if late:
@@ -202,8 +234,9 @@ class MlaPreprocessFusion(FusionPass):
         def build(b: GraphBuilder) -> dict:
             return _build(b, prologue, q_out, cache_write.new_cache)
 
-        detail = ("w8a8" if quantized else str(val(x).dtype).replace("torch.", "")) + \
-            (", interleaved rope" if deinterleave else "")
+        detail = ("w8a8" if quantized else _dtype_name(val(x).dtype)) + \
+            (", interleaved rope" if deinterleave else "") + \
+            (", [in, out] weights" if qkv_lin.in_out or q_lin.in_out else "")
         return Rewrite(anchor, list(dict.fromkeys([*nodes, *others])), self.op, build, detail=detail)
 
     # -- stages ----------------------------------------------------------------------
@@ -234,7 +267,7 @@ class MlaPreprocessFusion(FusionPass):
                         return found, user
                     nxt.append(user)
             frontier = nxt
-        raise NotFused("stage 6 (RMSNorm of the kv latent) not found")
+        raise NotFused("stage 6 (RMSNorm over the last dim of the kv latent) not found")
 
     @staticmethod
     def _k_rope(k_pe, q_site: RopeSite, deinterleaved_rope: bool) -> KvRope:
@@ -271,15 +304,22 @@ class MlaPreprocessFusion(FusionPass):
 
     @staticmethod
     def _cache_write(ctkv_out, k_rope_out) -> CacheWrite:
+        reason = None
         for cat in ctkv_out.users:
             if not (is_call(cat, aten.cat.default) and list(cat.args[0]) == [ctkv_out, k_rope_out]):
                 continue
-            for write in cat.users:
-                found = _written_cache(write, cat)
-                if found is not None:
-                    found.nodes = [cat, write, *found.nodes]
-                    return found
-        raise NotFused("stage 9 (KV-cache write of cat(ctkv, k_rope) at slot_mapping) not found")
+            values = [cat] + [v for v in cat.users if _drops_unit_token_dim(v, cat)]  # T = 1: view(cat, [576])
+            for value in values:
+                for write in value.users:
+                    try:
+                        found = _written_cache(write, value)
+                    except NotFused as miss:
+                        reason = reason or str(miss)
+                        continue
+                    if found is not None:
+                        found.nodes = list(dict.fromkeys([cat, value, write, *found.nodes]))
+                        return found
+        raise NotFused(reason or "stage 9 (KV-cache write of cat(ctkv, k_rope) at slot_mapping) not found")
 
     @staticmethod
     def _absorption(q3, q_rope_add) -> Absorption:
@@ -299,47 +339,43 @@ class MlaPreprocessFusion(FusionPass):
             if q_nope is None or q_nope.source is not q3 or (q_nope.start, q_nope.end) != (0, mla.NOPE):
                 continue
             if list(val(w_uk).shape) != [val(q3).shape[1], mla.NOPE, mla.KV_LORA]:
-                raise NotFused(f"W_UK shape {list(val(w_uk).shape)} is not [N, 128, 512]")
+                raise NotFused(f"stage 8: W_UK shape {list(val(w_uk).shape)} is not [N, 128, 512]")
             return Absorption(q_out, w_uk, [q_out, back, bmm, front, *q_nope.nodes])
         raise NotFused("stage 8 (weight absorption q_nope @ W_UK, then cat with q_rope) not found")
 
-    # -- constraints -------------------------------------------------------------------
-    @staticmethod
-    def _check_limits(ctx, x_node, qkv_lin: Linear, q_lin: Linear, heads, cache_write: CacheWrite) -> None:
-        x = val(x_node)
-        if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16):
-            raise NotFused(f"input must be 2-D [T, hidden] float16/bfloat16, got {list(x.shape)} {x.dtype}")
-        tokens, hidden = static_int(x.shape[0]), static_int(x.shape[1])
-        if hidden is None or not mla.HIDDEN_RANGE[0] <= hidden <= mla.HIDDEN_RANGE[1]:
-            raise NotFused(f"hidden size {x.shape[1]} is outside {mla.HIDDEN_RANGE[0]}..{mla.HIDDEN_RANGE[1]}")
-        if tokens is not None and tokens > mla.MAX_TOKENS:
-            raise NotFused(f"{tokens} tokens > {mla.MAX_TOKENS}")
-        if heads is None:
-            raise NotFused("head count is symbolic")
-        if (val(qkv_lin.w).dtype == x.dtype) == bool(qkv_lin.quant):
-            raise NotFused(f"wdqkv dtype {val(qkv_lin.w).dtype} does not fit the {x.dtype} input")
-        if qkv_lin.quant and val(q_lin.w).dtype != torch.int8:
-            raise NotFused("wuq is not int8 on the quantized path")
-        for name, lin in (("wdqkv", qkv_lin), ("wuq", q_lin)):
-            quant = lin.quant
-            if quant is None:
-                continue
-            out_features = val(lin.w).shape[0]
-            if val(quant.quantize.scale).numel() != 1 or val(quant.quantize.offset).numel() != 1:
-                raise NotFused(f"the activation quantization before {name} is not per-tensor (scale/offset numel 1)")
-            if list(val(quant.descale).shape) != [out_features] or val(quant.bias).numel() != out_features:
-                raise NotFused(f"{name}'s dequant scale/bias are not per output channel ([{out_features}])")
-        cache = val(cache_write.cache)
-        block_size = static_int(cache.shape[1])
-        if cache.dtype != x.dtype or block_size is None or not (1 <= block_size <= 128 or block_size == 256):
-            raise NotFused(f"kv cache {list(cache.shape)} {cache.dtype}: needs {x.dtype} and block size in "
-                           "[1, 128] or 256")
-        if ctx.soc == GENERIC:
-            return
-        if ctx.soc not in A2_A3:
-            raise NotFused(f"MlaPreprocess runs on the Ascend910B family (Atlas 800I A2/A3) only, not {ctx.soc}")
-        if tokens is None:
-            raise NotFused(f"token count is symbolic; {ctx.soc}'s MlaPreprocess takes at most {mla.MAX_TOKENS}")
+
+def _check_op_contract(ctx: PassContext, p: Prologue) -> None:
+    """The op's own argument rules on the replacement's (fake) arguments: a near-miss naming the
+    rule instead of a failed rewrite."""
+    x = val(p.x)
+
+    def fake(shape, dtype):
+        with ctx.fake_mode:
+            return torch.empty(shape, dtype=dtype, device=x.device)
+
+    def weight(lin: Linear):
+        w = val(lin.w)
+        return w.t() if lin.in_out else w
+
+    hidden = x.shape[-1]
+    a: dict[str, Any] = dict(
+        input=x, wdqkv=weight(p.qkv_lin), wuq=weight(p.q_lin), gamma1=val(p.norm1.gamma), gamma2=val(p.ctkv.gamma),
+        beta1=val(p.norm1.beta) if p.norm1.beta is not None else fake([mla.Q_LORA], x.dtype),
+        gamma0=val(p.norm0.gamma) if p.norm0 else fake([hidden], x.dtype),
+        beta0=val(p.norm0.beta) if p.norm0 and p.norm0.beta is not None else fake([hidden], x.dtype),
+        cos=val(p.cos), sin=val(p.sin), wuk=val(p.w_uk), kv_cache=val(p.cache), kv_cache_rope=fake([0], torch.float32),
+        slotmapping=val(p.slots), cache_mode=mla.KVCACHE, quant_mode=mla.PER_TENSOR_QUANT_ASYMM, epsilon=p.eps)
+    for i, lin in ((0, p.qkv_lin), (1, p.q_lin)):
+        q = lin.quant
+        a[f"descale{i}"] = val(q.descale) if q else fake([val(a["wdqkv" if i == 0 else "wuq"]).shape[0]],
+                                                         torch.float32)
+        a.update({f"quant_scale{i}": val(q.quantize.scale) if q else None,
+                  f"quant_offset{i}": val(q.quantize.offset) if q else None, f"bias{i}": val(q.bias) if q else None})
+    a.update(ctkv_scale=None, q_nope_scale=None)
+    try:
+        mla.check_mla_preprocess_args(a)
+    except ValueError as refused:
+        raise NotFused(f"the op refuses the arguments: {str(refused).removeprefix(mla.NAME + ': ')}") from None
 
 
 def _table_root(node):
@@ -348,34 +384,52 @@ def _table_root(node):
     return node
 
 
+def _drops_unit_token_dim(view, cat) -> bool:
+    """view(cat, [576]) of a [1, 576] cat: what a one-token write's value becomes."""
+    shape = list(val(cat).shape)
+    return is_call(view, *VIEWS) and shape[0] == 1 and list(val(view).shape) == shape[1:]
+
+
+def _index_put_accumulates(write) -> bool:
+    return bool(write.args[3] if len(write.args) > 3 else write.kwargs.get("accumulate", False))
+
+
 def _written_cache(write, value) -> Optional[CacheWrite]:
-    """The cache a write of ``value`` into ``cache.view(-1, D)`` at slots updates."""
-    if is_call(write, aten.index_put.default) and len(write.args[1]) == 1 and write.args[2] is value:
-        flat, slots, wrap = write.args[0], write.args[1][0], True  # python indexing: -1 is the last slot
-    elif is_call(write, aten.index_copy.default) and write.args[1] == 0 and write.args[3] is value:
-        flat, slots, wrap = write.args[0], write.args[2], False
-    elif is_call(write, aten.scatter.src) and write.args[1] == 0 and write.args[3] is value:
-        index = write.args[2]
-        if not (is_call(index, aten.expand.default) and is_call(index.args[0], aten.unsqueeze.default)):
+    """The cache a write of ``value`` into ``cache.view(-1, D)`` at slots updates; NotFused for a
+    write whose meaning is not an overwrite of whole rows."""
+    if is_call(write, aten.index_put.default) and write.args[2] is value:
+        if len(write.args[1]) != 1 or write.args[1][0] is None:
             return None
-        flat, slots, wrap = write.args[0], index.args[0].args[0], False
+        if _index_put_accumulates(write):
+            raise NotFused(f"stage 9: {write.name} adds into the cache (index_put with accumulate=True); "
+                           "the op overwrites")
+        flat, slots, python_indexes = write.args[0], write.args[1][0], True
+    elif is_call(write, aten.index_copy.default) and write.args[1] == 0 and write.args[3] is value:
+        flat, slots, python_indexes = write.args[0], write.args[2], False
+    elif is_call(write, aten.scatter.src) and write.args[1] == 0 and write.args[3] is value:
+        index = write.args[2]  # slots.unsqueeze(-1).expand(-1, D): every column of a slot's row
+        if not (is_call(index, aten.expand.default) and is_call(index.args[0], aten.unsqueeze.default)
+                and rank(index.args[0]) == 2 and index.args[0].args[1] in (1, -1)
+                and shape_eq(val(index).shape, val(value).shape)):
+            raise NotFused(f"stage 9: {write.name} scatters with an index that is not one slot per token "
+                           "for every column")
+        flat, slots, python_indexes = write.args[0], index.args[0].args[0], False
     else:
         return None
-    if not (is_call(flat, aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-            and rank(flat.args[0]) == 4):
+    if not (is_call(flat, *VIEWS) and rank(flat.args[0]) == 4 and rank(flat) == 2):
         return None
     cache = flat.args[0]
     if list(val(cache).shape[2:]) != [1, mla.KV_LORA + mla.ROPE]:
-        return None
-    new_cache = [u for u in write.users if is_call(u, aten.view.default, aten._unsafe_view.default,
-                                                   aten.reshape.default)
-                 and list(val(u).shape) == list(val(cache).shape)]
+        raise NotFused(f"stage 9: cache {list(val(cache).shape)} is not [blocks, block_size, 1, 576]")
+    if rank(slots) != 1:
+        raise NotFused(f"stage 9: slots {list(val(slots).shape)} are not one per token")
+    new_cache = [u for u in write.users if is_call(u, *VIEWS) and shape_eq(val(u).shape, val(cache).shape)]
     if len(new_cache) != 1 or len(write.users) != 1:
         return None
     nodes = [flat, new_cache[0]]
     if is_call(write, aten.scatter.src):
         nodes += [write.args[2], write.args[2].args[0]]
-    return CacheWrite(cache, slots, wrap, new_cache[0], nodes)
+    return CacheWrite(cache, slots, python_indexes, new_cache[0], nodes)
 
 
 def _build(b: GraphBuilder, p: Prologue, q_out: Node, new_cache: Node) -> dict:
@@ -385,8 +439,11 @@ def _build(b: GraphBuilder, p: Prologue, q_out: Node, new_cache: Node) -> dict:
     def full(shape, value, dtype_):
         return b.call(aten.full.default, shape, value, dtype=dtype_, device=device, pin_memory=False)
 
+    def out_in(lin: Linear) -> Node:  # the op takes [out, in] weights
+        return b.call(aten.t.default, lin.w) if lin.in_out else lin.w
+
     quant0, quant1 = p.qkv_lin.quant, p.q_lin.quant
-    wdqkv, wuq = p.qkv_lin.w, p.q_lin.w
+    wdqkv, wuq = out_in(p.qkv_lin), out_in(p.q_lin)
     descale0 = quant0.descale if quant0 else full([mla.QKV], 1.0, torch.float32)
     descale1 = quant1.descale if quant1 else full([p.heads * 192], 1.0, torch.float32)
     bias0, bias1 = (quant0.bias if quant0 else None), (quant1.bias if quant1 else None)
@@ -404,9 +461,10 @@ def _build(b: GraphBuilder, p: Prologue, q_out: Node, new_cache: Node) -> dict:
     beta0 = p.norm0.beta if p.norm0 and p.norm0.beta is not None else full([hidden], 0.0, dtype)
     beta1 = p.norm1.beta if p.norm1.beta is not None else full([mla.Q_LORA], 0.0, dtype)
     slots = p.slots
-    if p.wrap:
-        slots = b.call(aten.remainder.Scalar, slots, val(p.cache).shape[0] * val(p.cache).shape[1])
-    kv_rope = full([0], 0.0, dtype)
+    if not p.python_indexes:  # index_copy_/scatter_ refuse a negative slot: make it one the op refuses
+        slot_count = val(p.cache).shape[0] * val(p.cache).shape[1]
+        slots = b.call(aten.masked_fill.Scalar, slots, b.call(aten.lt.Scalar, slots, 0), slot_count)
+    kv_rope = full([0], 0.0, torch.float32)  # unused in KVCACHE mode; its (zero-byte) copy keeps a plain dtype
     kwargs: dict[str, Any] = dict(cache_mode=mla.KVCACHE, quant_mode=mla.PER_TENSOR_QUANT_ASYMM, epsilon=p.eps)
     if quant0:
         kwargs.update(quant_scale0=quant0.quantize.scale, quant_offset0=quant0.quantize.offset, bias0=bias0,
