@@ -12,12 +12,10 @@ from .report import GraphReport
 
 log = logging.getLogger("npu_fuse")
 
-LOWERINGS = ("auto", "npu", "fallback")
-FALLBACKS = ("inductor", "aot_eager")
-
 
 def run_fusion_passes(gm: GraphModule, lowering: str = "") -> GraphReport:
     """Run every enabled fusion pass over one aten graph, in place; returns its report."""
+    config.validate()
     return PassManager()(gm, lowering)
 
 
@@ -27,10 +25,7 @@ def npu_fuse_backend(gm: GraphModule, example_inputs, **kwargs):
     With an NPU (torch_npu + torchair, tensors on "npu") the graph goes to torchair's
     GE compiler; elsewhere to ``config.fallback`` (inductor or aot_eager).
     """
-    if config.lowering not in LOWERINGS:
-        raise ValueError(f"npu_fuse config.lowering={config.lowering!r}: expected one of {LOWERINGS}")
-    if config.fallback not in FALLBACKS:
-        raise ValueError(f"npu_fuse config.fallback={config.fallback!r}: expected one of {FALLBACKS}")
+    config.validate()
     use_npu = config.lowering == "npu" or (config.lowering == "auto" and npu.npu_usable(example_inputs))
     if use_npu:
         return npu.compile_with_torchair(gm, example_inputs, run_fusion_passes)
