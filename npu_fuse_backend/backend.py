@@ -8,7 +8,7 @@ from .lowering import fallback, npu
 
 from . import config
 from .fusion import PassManager
-from .report import GraphReport
+from .report import GraphReport, drain_cached_reports
 
 log = logging.getLogger("npu_fuse")
 
@@ -28,7 +28,10 @@ def npu_fuse_backend(gm: GraphModule, example_inputs, **kwargs):
     config.validate()
     use_npu = config.lowering == "npu" or (config.lowering == "auto" and npu.npu_usable(example_inputs))
     if use_npu:
-        return npu.compile_with_torchair(gm, example_inputs, run_fusion_passes)
-    if config.fallback == "inductor":
-        return fallback.compile_with_inductor(gm, example_inputs, run_fusion_passes)
-    return fallback.compile_with_aot_eager(gm, example_inputs, run_fusion_passes)
+        compiled = npu.compile_with_torchair(gm, example_inputs, run_fusion_passes)
+    elif config.fallback == "inductor":
+        compiled = fallback.compile_with_inductor(gm, example_inputs, run_fusion_passes)
+    else:
+        compiled = fallback.compile_with_aot_eager(gm, example_inputs, run_fusion_passes)
+    drain_cached_reports()  # reports replayed by a cache hit (the backward's come with its lazy compile)
+    return compiled
