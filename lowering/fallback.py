@@ -11,11 +11,13 @@ of the AOTAutograd and FX-graph cache keys: a warm start reuses the compiled gra
 and a change to our code or config misses.
 """
 
+import difflib
 import functools
 import hashlib
 import importlib.util
 import inspect
 import json
+import typing
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -185,19 +187,55 @@ def _source_digest(path: Optional[str]) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else ""
 
 
-def compile_with_inductor(gm: GraphModule, example_inputs, graph_pass: GraphPass):
-    """Inductor with our passes first among the post-grad pre passes (a user's own, from
-    inductor's config, run after)."""
+def inductor_config_patches(mode: Optional[str], options: Optional[dict]) -> dict:
+    """``torch.compile``'s mode and options as inductor config patches, checked the way
+    inductor's own wrapper checks them."""
+    import torch._inductor
+    from torch._inductor import config as inductor_config
+
+    modes = torch._inductor.list_mode_options()
+    if mode is not None and mode not in modes:
+        raise ValueError(f"npu_fuse: mode={mode!r} is not an inductor mode; expected one of {sorted(modes)}")
+    patches = dict(modes[mode or "default"])
+    known = torch._inductor.list_options()
+    for key, value in (options or {}).items():
+        name = key.replace("-", "_")
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=5)
+            raise ValueError(f"npu_fuse: options[{key!r}] is not an inductor option"
+                             f"{f' (did you mean {close}?)' if close else ''}; the options are "
+                             "torch._inductor.list_options(), documented in torch/_inductor/config.py")
+        expected = inductor_config.get_type(name)
+        plain_type = typing.get_origin(expected) is None and isinstance(expected, type)  # generics: unchecked
+        if plain_type and not isinstance(value, expected):
+            raise ValueError(f"npu_fuse: options[{key!r}]={value!r} must be a {expected.__name__} "
+                             f"(inductor config {name})")
+        patches[name] = value
+    return patches
+
+
+def compile_with_inductor(gm: GraphModule, example_inputs, graph_pass: GraphPass,
+                          mode: Optional[str] = None, options: Optional[dict] = None):
+    """Inductor with ``mode``/``options`` applied and our passes first among the
+    post-grad pre passes (a user's own, from inductor's config or ``options``, run after)."""
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
-    user_passes = get_custom_graph_passes(inductor_config.post_grad_custom_pre_pass)
-    patches = {"post_grad_custom_pre_pass": [FusionPrePass(graph_pass), *user_passes]}
+    patches = inductor_config_patches(mode, options)
+    user_passes = get_custom_graph_passes(
+        patches.get("post_grad_custom_pre_pass", inductor_config.post_grad_custom_pre_pass))
+    patches["post_grad_custom_pre_pass"] = [FusionPrePass(graph_pass), *user_passes]
     # compile_fx applies the patches again around the backward, which compiles lazily
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
-def compile_with_aot_eager(gm: GraphModule, example_inputs, graph_pass: GraphPass):
+def compile_with_aot_eager(gm: GraphModule, example_inputs, graph_pass: GraphPass,
+                           mode: Optional[str] = None, options: Optional[dict] = None):
+    if mode not in (None, "default") or options:
+        raise ValueError(f"npu_fuse: the aot_eager fallback has no compiler to configure, so it takes only the "
+                         f"default mode and no options (got mode={mode!r}, options={options!r}); "
+                         "use config.fallback='inductor' for inductor's modes and options")
+
     def run_fused(aten_gm: GraphModule, inputs):
         graph_pass(aten_gm, "aot_eager")
         return make_boxed_func(aten_gm.forward)
