@@ -42,8 +42,8 @@ def import_torchair():
                 f"npu_fuse: the NPU lowering (config.lowering='npu', NPU_FUSE_LOWERING=npu, or "
                 f"npu_fuse.get_npu_backend) needs torchair, which ships inside torch_npu, but importing it "
                 f"failed: {exc}. Install it with `pip install 'npu-fuse[npu]'` (torch_npu==2.13.0; it needs "
-                "the CANN toolkit and an Ascend NPU), or compile without an NPU: config.lowering='auto' or "
-                "'fallback' (config.fallback picks inductor or aot_eager)") from exc
+                "the CANN toolkit and an Ascend NPU), or compile without an NPU: backend='npu_fuse' with "
+                "config.lowering='auto' or 'fallback' (config.fallback picks inductor or aot_eager)") from exc
     return torchair
 
 

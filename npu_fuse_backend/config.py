@@ -77,8 +77,9 @@ def validate() -> None:
     disabled = config.disabled_fusions
     known = sorted(registered_fusions())
     if not isinstance(disabled, (list, tuple, set, frozenset)):
+        example = [n.strip() for n in disabled.split(",")] if isinstance(disabled, str) else known[:1]
         raise ValueError(f"{_knob('disabled_fusions', disabled)}: must be a list of fusion names "
-                         f"(e.g. [{known[0]!r}]), not a {type(disabled).__name__}; registered fusions: {known}")
+                         f"(e.g. {example}), not a {type(disabled).__name__}; registered fusions: {known}")
     unknown = [name for name in disabled if name not in known]
     if unknown:
         raise ValueError(f"{_knob('disabled_fusions', disabled)}: unknown fusion name(s) {unknown}; "

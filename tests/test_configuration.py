@@ -127,7 +127,8 @@ def test_get_npu_backend_wants_a_compiler_config(torchair):
 def test_npu_lowering_without_torch_npu_says_what_is_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchair", None)  # as on a machine without torch_npu
     monkeypatch.setitem(sys.modules, "torch_npu", None)
-    message = r"needs torchair, which ships inside torch_npu.*pip install 'npu-fuse\[npu\]'.*config.lowering='auto'"
+    message = (r"needs torchair, which ships inside torch_npu, but importing it failed: .*torch_npu.*"
+               r"pip install 'npu-fuse\[npu\]'.*config.lowering='auto'")
     with config.patch(lowering="npu"), pytest.raises(Exception, match=message):
         torch.compile(rope, backend="npu_fuse")(*rope_args())
     with pytest.raises(ImportError, match=message):
@@ -198,7 +199,8 @@ def test_aot_eager_takes_no_mode_or_options(kwargs):
 @pytest.mark.parametrize("knob, value, message", [
     ("max_reports", -1, r"config.max_reports=-1: must be an int >= 0"),
     ("disabled_fusions", "partial_rope",
-     r"config.disabled_fusions='partial_rope' \(env NPU_FUSE_DISABLE\): must be a list of fusion names"),
+     r"config.disabled_fusions='partial_rope' \(env NPU_FUSE_DISABLE\): must be a list of fusion names "
+     r"\(e.g. \['partial_rope'\]\), not a str"),
     ("disabled_fusions", ["rope", "ropee"],
      r"config.disabled_fusions=\['rope', 'ropee'\] \(env NPU_FUSE_DISABLE\): unknown fusion name\(s\) \['ropee'\]; "
      r"registered fusions: \[.*'partial_rope', 'rope'"),
