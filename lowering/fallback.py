@@ -4,19 +4,33 @@ Inductor gets the rewritten graph with every fused op replaced by its registered
 decomposition, traced in place by inductor's own ``replace_by_example``, so the
 compiled code is what plain inductor makes of the original subgraph: being a
 drop-in costs nothing. aot_eager runs the fused ops' reference kernels.
+
+On inductor the passes run as its ``post_grad_custom_pre_pass``, a
+:class:`~torch._inductor.custom_graph_pass.CustomGraphPass` whose ``uuid()`` is part
+of the AOTAutograd and FX-graph cache keys: a warm start reuses the compiled graphs,
+and a change to our code or config misses.
 """
 
-from typing import Callable
+import difflib
+import functools
+import hashlib
+import importlib.util
+import inspect
+import json
+import typing
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import torch
 import torch.utils._pytree as pytree
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
-from torch.fx import GraphModule, Node
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
+from torch.fx import Graph, GraphModule, Node
 
 from .registry import DECOMPOSITIONS
 
-GraphPass = Callable[[GraphModule, str], None]
+GraphPass = Callable[[GraphModule, str], Any]
 
 _decompose_pass = None
 
@@ -118,21 +132,110 @@ def decompose_fused_ops(gm: GraphModule) -> int:
     return count
 
 
-def compile_with_inductor(gm: GraphModule, example_inputs, graph_pass: GraphPass):
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+class FusionPrePass(CustomGraphPass):
+    """The fusion passes, then the decomposition of the fused ops, as inductor's
+    ``post_grad_custom_pre_pass`` (forward, backward and inference graphs alike)."""
 
-    def inner_compile(aten_gm: GraphModule, inputs, **kwargs):
-        graph_pass(aten_gm, "inductor")
-        decompose_fused_ops(aten_gm)
-        return compile_fx_inner(aten_gm, inputs, **kwargs)
+    def __init__(self, graph_pass: GraphPass):
+        self.graph_pass = graph_pass
 
-    # AOTAutograd's cache would skip inner_compile, and with it the passes and their
-    # report; inductor's own FX graph cache still applies to the rewritten graphs.
-    with torch._functorch.config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+    def __call__(self, graph: Graph) -> None:
+        from ..report import stash_for_compile_cache
+
+        gm = graph.owning_module
+        report = self.graph_pass(gm, "inductor")
+        decompose_fused_ops(gm)
+        stash_for_compile_cache(report)  # so that a cache hit can still report it
+
+    def uuid(self) -> str:
+        """Changes whenever the rewritten graph could: our source, any registered fusion's
+        source, the graph pass, and every config knob but the report-only ones."""
+        from .. import config
+        from ..fusion import registered_fusions
+        from ..soc import resolve_soc
+
+        knobs = {**config.save_config_portable(), "soc": resolve_soc()}
+        fusions = {name: _source_digest(inspect.getsourcefile(cls)) for name, cls in registered_fusions().items()}
+        pass_name = f"{self.graph_pass.__module__}.{self.graph_pass.__qualname__}"
+        identity = json.dumps([_package_digest(), fusions, pass_name, knobs], sort_keys=True, default=repr)
+        return hashlib.sha256(identity.encode()).hexdigest()
 
 
-def compile_with_aot_eager(gm: GraphModule, example_inputs, graph_pass: GraphPass):
+def _package_sources() -> dict:
+    """{module name: path} of every source file of npu_fuse_backend and its subpackages,
+    found through the import system (an editable install maps lowering/ and converters/
+    from elsewhere, a wheel nests them)."""
+    root = __name__.rsplit(".", 2)[0]  # npu_fuse_backend
+    files = {}
+    for package in (root, f"{root}.lowering", f"{root}.converters"):
+        for folder in importlib.util.find_spec(package).submodule_search_locations:
+            for path in Path(folder).rglob("*.py"):
+                files[".".join([package, *path.relative_to(folder).with_suffix("").parts])] = path
+    return files
+
+
+@functools.lru_cache(None)
+def _package_digest() -> str:
+    digest = hashlib.sha256()
+    for name, path in sorted(_package_sources().items()):
+        digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+@functools.lru_cache(None)
+def _source_digest(path: Optional[str]) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else ""
+
+
+def inductor_config_patches(mode: Optional[str], options: Optional[dict]) -> dict:
+    """``torch.compile``'s mode and options as inductor config patches, checked the way
+    inductor's own wrapper checks them."""
+    import torch._inductor
+    from torch._inductor import config as inductor_config
+
+    modes = torch._inductor.list_mode_options()
+    if mode is not None and mode not in modes:
+        raise ValueError(f"npu_fuse: mode={mode!r} is not an inductor mode; expected one of {sorted(modes)}")
+    patches = dict(modes[mode or "default"])
+    known = torch._inductor.list_options()
+    for key, value in (options or {}).items():
+        name = key.replace("-", "_")
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=5)
+            raise ValueError(f"npu_fuse: options[{key!r}] is not an inductor option"
+                             f"{f' (did you mean {close}?)' if close else ''}; the options are "
+                             "torch._inductor.list_options(), documented in torch/_inductor/config.py")
+        expected = inductor_config.get_type(name)
+        plain_type = typing.get_origin(expected) is None and isinstance(expected, type)  # generics: unchecked
+        if plain_type and not isinstance(value, expected):
+            raise ValueError(f"npu_fuse: options[{key!r}]={value!r} must be a {expected.__name__} "
+                             f"(inductor config {name})")
+        patches[name] = value
+    return patches
+
+
+def compile_with_inductor(gm: GraphModule, example_inputs, graph_pass: GraphPass,
+                          mode: Optional[str] = None, options: Optional[dict] = None):
+    """Inductor with ``mode``/``options`` applied and our passes first among the
+    post-grad pre passes (a user's own, from inductor's config or ``options``, run after)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = inductor_config_patches(mode, options)
+    user_passes = get_custom_graph_passes(
+        patches.get("post_grad_custom_pre_pass", inductor_config.post_grad_custom_pre_pass))
+    patches["post_grad_custom_pre_pass"] = [FusionPrePass(graph_pass), *user_passes]
+    # compile_fx applies the patches again around the backward, which compiles lazily
+    return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def compile_with_aot_eager(gm: GraphModule, example_inputs, graph_pass: GraphPass,
+                           mode: Optional[str] = None, options: Optional[dict] = None):
+    if mode not in (None, "default") or options:
+        raise ValueError(f"npu_fuse: the aot_eager fallback has no compiler to configure, so it takes only the "
+                         f"default mode and no options (got mode={mode!r}, options={options!r}); "
+                         "use config.fallback='inductor' for inductor's modes and options")
+
     def run_fused(aten_gm: GraphModule, inputs):
         graph_pass(aten_gm, "aot_eager")
         return make_boxed_func(aten_gm.forward)

@@ -8,6 +8,8 @@ The public API, in one place:
 - ``npu_fuse.ops.<op>``: the fused ops' Python entry points (``rotary_mul``,
   ``inplace_partial_rotary_mul``, ``softmax_grad_ext``, ``mla_preprocess``, ...);
 - ``npu_fuse.config``: the backend's knobs (``config.patch(...)``);
+- ``npu_fuse.get_npu_backend(compiler_config=...)``: the backend with your own torchair
+  ``CompilerConfig`` (``torch.compile``'s ``mode=``/``options=`` work with the plain backend too);
 - ``npu_fuse.get_reports()`` / ``clear_reports()``: what each compiled graph fused, and why not;
 - ``npu_fuse.register_fusion`` / ``FusionPass`` / ``Rewrite``: adding a fusion pass.
 
@@ -16,13 +18,13 @@ importing ``npu_fuse`` also makes ``TORCH_LOGS="+npu_fuse"`` a valid log name.
 """
 
 from npu_fuse_backend import (
-    FusionPass, GraphReport, Match, NearMiss, Rewrite, __version__, clear_reports, config, get_reports,
-    npu_fuse_backend, register_fusion, run_fusion_passes,
+    FusionPass, GraphReport, Match, NearMiss, Rewrite, __version__, clear_reports, config, get_npu_backend,
+    get_reports, npu_fuse_backend, register_fusion, run_fusion_passes,
 )
 
 from . import ops
 
 __all__ = [
     "FusionPass", "GraphReport", "Match", "NearMiss", "Rewrite", "__version__", "clear_reports", "config",
-    "get_reports", "npu_fuse_backend", "ops", "register_fusion", "run_fusion_passes",
+    "get_npu_backend", "get_reports", "npu_fuse_backend", "ops", "register_fusion", "run_fusion_passes",
 ]

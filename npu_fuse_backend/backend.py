@@ -9,12 +9,9 @@ from .lowering import fallback, npu
 
 from . import config
 from .fusion import PassManager
-from .report import GraphReport
+from .report import GraphReport, drain_cached_reports
 
 log = logging.getLogger("npu_fuse")
-
-LOWERINGS = ("auto", "npu", "fallback")
-FALLBACKS = ("inductor", "aot_eager")
 
 
 def run_fusion_passes(gm: GraphModule, lowering: str = "", unsupported_ops: Optional[dict] = None) -> GraphReport:
@@ -22,22 +19,54 @@ def run_fusion_passes(gm: GraphModule, lowering: str = "", unsupported_ops: Opti
 
     ``unsupported_ops`` maps a fused op's name to why the lowering cannot take it (its
     rewrites become near-misses with that reason)."""
+    config.validate()
     return PassManager()(gm, lowering, unsupported_ops)
 
 
-def npu_fuse_backend(gm: GraphModule, example_inputs, **kwargs):
-    """``torch.compile(model, backend="npu_fuse")``: fuse RoPE & co. for Ascend NPUs.
+def npu_fuse_backend(gm: GraphModule, example_inputs, *, mode: Optional[str] = None,
+                     options: Optional[dict] = None):
+    """``torch.compile(model, backend="npu_fuse", mode=..., options=...)``: fuse RoPE & co.
+    for Ascend NPUs.
 
     With an NPU (torch_npu + torchair, tensors on "npu") the graph goes to torchair's
-    GE compiler; elsewhere to ``config.fallback`` (inductor or aot_eager).
+    GE compiler, ``mode`` and ``options`` to its ``CompilerConfig``; elsewhere to
+    ``config.fallback``: inductor (``mode``/``options`` as for ``backend="inductor"``)
+    or aot_eager (neither).
     """
-    if config.lowering not in LOWERINGS:
-        raise ValueError(f"npu_fuse config.lowering={config.lowering!r}: expected one of {LOWERINGS}")
-    if config.fallback not in FALLBACKS:
-        raise ValueError(f"npu_fuse config.fallback={config.fallback!r}: expected one of {FALLBACKS}")
+    config.validate()
     use_npu = config.lowering == "npu" or (config.lowering == "auto" and npu.npu_usable(example_inputs))
     if use_npu:
-        return npu.compile_with_torchair(gm, example_inputs, run_fusion_passes)
-    if config.fallback == "inductor":
-        return fallback.compile_with_inductor(gm, example_inputs, run_fusion_passes)
-    return fallback.compile_with_aot_eager(gm, example_inputs, run_fusion_passes)
+        compiled = npu.compile_with_torchair(gm, example_inputs, run_fusion_passes, mode=mode, options=options)
+    elif config.fallback == "inductor":
+        compiled = fallback.compile_with_inductor(gm, example_inputs, run_fusion_passes, mode=mode, options=options)
+    else:
+        compiled = fallback.compile_with_aot_eager(gm, example_inputs, run_fusion_passes, mode=mode,
+                                                   options=options)
+    drain_cached_reports()  # reports replayed by a cache hit (the backward's come with its lazy compile)
+    return compiled
+
+
+def get_npu_backend(*, compiler_config=None, custom_decompositions: Optional[dict] = None):
+    """The npu_fuse backend with your own torchair ``CompilerConfig``, the way
+    ``torchair.get_npu_backend`` is used::
+
+        cfg = torchair.CompilerConfig()
+        cfg.experimental_config.frozen_parameter = True
+        model = torch.compile(model, backend=npu_fuse.get_npu_backend(compiler_config=cfg))
+
+    It always lowers through torchair. Each compile works on a copy of ``compiler_config``
+    (never modified) with our passes first in its ``post_grad_custom_pre_pass`` and yours
+    after them; ``torch.compile``'s ``mode``/``options`` apply on top of the copy.
+    """
+    torchair = npu.import_torchair()
+    if compiler_config is not None and not isinstance(compiler_config, torchair.CompilerConfig):
+        raise TypeError(f"npu_fuse.get_npu_backend: compiler_config must be a torchair CompilerConfig, "
+                        f"got {type(compiler_config).__name__}")
+
+    def npu_fuse_torchair(gm: GraphModule, example_inputs, *, mode: Optional[str] = None,
+                          options: Optional[dict] = None):
+        config.validate()
+        return npu.compile_with_torchair(gm, example_inputs, run_fusion_passes, compiler_config=compiler_config,
+                                         custom_decompositions=custom_decompositions, mode=mode, options=options)
+
+    return npu_fuse_torchair

@@ -6,7 +6,8 @@ Change a knob for a block of code with ``config.patch``::
         torch.compile(model, backend="npu_fuse")(x)
 
 The main knobs also read environment variables (shown beside each) when the
-module is first imported.
+module is first imported. torch's config module has no per-knob validator, so the
+backend checks every value when a compile starts (:func:`validate`).
 """
 
 import os
@@ -14,9 +15,20 @@ import sys
 
 from torch.utils._config_module import install_config_module
 
-
 def _env_list(name: str) -> list:
     return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
+
+
+def _env_flag(name: str) -> bool:
+    """A boolean environment variable; a value that is no usual spelling of true or false
+    is an error rather than silently off."""
+    on, off = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+    raw = os.environ.get(name, "")
+    word = raw.strip().lower()
+    if word and word not in on + off:
+        raise ValueError(f"npu_fuse: environment variable {name}={raw!r} is not a boolean; "
+                         f"use one of {on} (on) or {off} (off)")
+    return word in on
 
 
 # Target SoC. "auto": the NPU's own SoC when torch_npu sees a device, else "generic".
@@ -36,10 +48,53 @@ lowering: str = os.environ.get("NPU_FUSE_LOWERING", "auto")
 # Names of fusion passes to skip, e.g. ["rope"].   [NPU_FUSE_DISABLE=rope,...]
 disabled_fusions: list = _env_list("NPU_FUSE_DISABLE")
 
-# Raise instead of warning when a fusion pass fails internally.   [NPU_FUSE_STRICT=1]
-strict: bool = os.environ.get("NPU_FUSE_STRICT", "0") == "1"
+# Raise instead of warning when a fusion pass fails internally.   [NPU_FUSE_STRICT=1|true|yes|on]
+strict: bool = _env_flag("NPU_FUSE_STRICT")
 
 # Keep at most this many per-graph reports for get_reports() (oldest dropped).
 max_reports: int = 256
+
+# Knobs that only shape the report, not the rewritten graph: left out of the compile-cache
+# key (every other knob is in it, so a new knob invalidates cached graphs by default).
+_cache_config_ignore_prefix: list = ["max_reports"]
+
+def validate() -> None:
+    """Check every knob; each error names the knob (and its environment variable), the
+    bad value and what is allowed."""
+    from .fusion import registered_fusions
+    from .soc import KNOWN_SOCS
+
+    config = sys.modules[__name__]
+    _require_one_of("soc", config.soc, ("auto", *KNOWN_SOCS))
+    _require_one_of("fallback", config.fallback, ("inductor", "aot_eager"))
+    _require_one_of("lowering", config.lowering, ("auto", "npu", "fallback"))
+    if not isinstance(config.strict, bool):
+        raise ValueError(f"{_knob('strict', config.strict)}: must be True or False")
+    if isinstance(config.max_reports, bool) or not isinstance(config.max_reports, int) \
+            or config.max_reports < 0:
+        raise ValueError(f"{_knob('max_reports', config.max_reports)}: must be an int >= 0 "
+                         "(how many per-graph reports get_reports() keeps)")
+    disabled = config.disabled_fusions
+    known = sorted(registered_fusions())
+    if not isinstance(disabled, (list, tuple, set, frozenset)):
+        example = [n.strip() for n in disabled.split(",")] if isinstance(disabled, str) else known[:1]
+        raise ValueError(f"{_knob('disabled_fusions', disabled)}: must be a list of fusion names "
+                         f"(e.g. {example}), not a {type(disabled).__name__}; registered fusions: {known}")
+    unknown = [name for name in disabled if name not in known]
+    if unknown:
+        raise ValueError(f"{_knob('disabled_fusions', disabled)}: unknown fusion name(s) {unknown}; "
+                         f"registered fusions: {known}")
+
+
+def _knob(name: str, value) -> str:
+    env = {"soc": "NPU_FUSE_SOC", "fallback": "NPU_FUSE_FALLBACK", "lowering": "NPU_FUSE_LOWERING",
+           "disabled_fusions": "NPU_FUSE_DISABLE", "strict": "NPU_FUSE_STRICT"}.get(name)
+    return f"npu_fuse config.{name}={value!r}" + (f" (env {env})" if env else "")
+
+
+def _require_one_of(name: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{_knob(name, value)}: expected one of {allowed}")
+
 
 install_config_module(sys.modules[__name__])

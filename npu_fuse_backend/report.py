@@ -12,14 +12,23 @@ the ``reset`` of every backend compiled with since the last reset).
 
 Logging: ``TORCH_LOGS="+npu_fuse"`` logs each report (and, at debug level, the nodes of each
 near-miss); ``TORCH_LOGS="npu_fuse_graphs"`` logs each graph before and after the passes.
+
+Reports survive inductor's caches: a pass compiled for inductor also stashes its
+report in ``counters["inductor"]``, whose per-compile deltas inductor stores with the
+compiled graph and replays on every FX-graph-cache and AOTAutograd-cache hit. The
+backend drains those keys again (:func:`drain_cached_reports`); a replayed report is
+published with ``from_cache=True``.
 """
 
 import collections
 import contextlib
 import dataclasses
 import itertools
+import json
 import logging
 import re
+import typing
+import uuid
 from typing import Iterable, Iterator
 
 import torch
@@ -77,6 +86,7 @@ class GraphReport:
     errors: list[str] = dataclasses.field(default_factory=list)
     pass_seconds: float = 0.0
     node_count: int = 0
+    from_cache: bool = False  # replayed from inductor's compile cache; the passes did not run now
 
     def fused_counts(self) -> dict[str, int]:
         return dict(collections.Counter(m.op for m in self.matches))
@@ -85,9 +95,10 @@ class GraphReport:
         """The report as text: the graph, then its matches and near-misses grouped by module."""
         frame = f"{self.frame}, " if self.frame else ""
         lines = [
-            f"graph {self.graph_id} ({frame}{self.kind}, {self.node_count} nodes, lowering={self.lowering}): "
+            f"graph {self.graph_id} ({frame}{self.kind}, {self.node_count} nodes, lowering={self.lowering}"
+            f"{', from the compile cache' if self.from_cache else ''}): "
             f"{len(self.matches)} fused, {len(self.near_misses)} near-misses, "
-            f"passes took {self.pass_seconds * 1e3:.2f} ms"
+            f"passes took {self.pass_seconds * 1e3:.2f} ms{' when first compiled' if self.from_cache else ''}"
         ]
         for module, records in by_module([*self.matches, *self.near_misses]).items():
             lines.append(f"  {module or '(top level)'}:")
@@ -100,6 +111,29 @@ class GraphReport:
                     lines.append(f"    not fused ({r.family}) at {at}: {r.reason}")
         lines += [f"  pass error: {e}" for e in self.errors]
         return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "GraphReport":
+        return _from_plain(cls, json.loads(text))
+
+
+def _from_plain(hint, value):
+    """Rebuild a value of type ``hint`` from its JSON form (dataclasses, lists, tuples), so
+    fields added to the report's dataclasses round-trip without changes here."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        hints = typing.get_type_hints(hint)
+        return hint(**{f.name: _from_plain(hints[f.name], value[f.name])
+                       for f in dataclasses.fields(hint) if f.name in value})
+    if origin is list:
+        return [_from_plain(args[0], item) for item in value]
+    if origin is tuple:
+        item_hints = args[:1] * len(value) if args[1:] == (Ellipsis,) else args
+        return tuple(_from_plain(h, item) for h, item in zip(item_hints, value))
+    return value
 
 
 def by_module(records: Iterable) -> dict:
@@ -184,6 +218,10 @@ def log_graph(when: str, gm: GraphModule, report: "GraphReport") -> None:
 _reports: collections.deque = collections.deque()
 _graph_ids = itertools.count()
 _collectors: list = []
+# The inductor counter keys that carry reports through the compile cache: prefix + token + " " + JSON.
+CACHED_REPORT_PREFIX = "npu_fuse_report:"
+# Tokens of reports published live in this process whose stash was not drained yet.
+_live_tokens: set = set()
 
 
 def new_report(kind: str, lowering: str, node_count: int, frame: str = "") -> GraphReport:
@@ -219,13 +257,36 @@ def collect() -> Iterator[list]:
         _collectors.remove(collected)
 
 
+def stash_for_compile_cache(report: GraphReport) -> None:
+    """Record a just-published report in ``counters["inductor"]``: inductor saves the counter
+    deltas of a compile with the compiled graph and replays them on each cache hit."""
+    token = uuid.uuid4().hex
+    _live_tokens.add(token)
+    counters["inductor"][f"{CACHED_REPORT_PREFIX}{token} {report.to_json()}"] += 1
+
+
+def drain_cached_reports() -> None:
+    """Take our keys out of ``counters["inductor"]``: a report's own live stash is dropped
+    (it was published when its passes ran), every replay is published as from the cache."""
+    for key in [k for k in counters["inductor"] if k.startswith(CACHED_REPORT_PREFIX)]:
+        count = counters["inductor"].pop(key)
+        token, _, text = key[len(CACHED_REPORT_PREFIX):].partition(" ")
+        if token in _live_tokens:
+            _live_tokens.discard(token)
+            count -= 1
+        for _ in range(count):
+            publish(dataclasses.replace(GraphReport.from_json(text), graph_id=next(_graph_ids), from_cache=True))
+
+
 def get_reports() -> list[GraphReport]:
     """Per compiled graph, oldest first: its matches and near-misses with reasons."""
+    drain_cached_reports()
     return list(_reports)
 
 
 def clear_reports() -> None:
     """Forget stored reports and reset the ``npu_fuse`` counters (``torch.compiler.reset()`` does too)."""
+    drain_cached_reports()
     _reports.clear()
     counters["npu_fuse"].clear()
     counters["npu_fuse_near_miss"].clear()
