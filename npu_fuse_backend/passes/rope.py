@@ -106,6 +106,8 @@ class RotaryMulFusion(FusionPass):
         head_dim = static_int(xv.shape[-1])
         if head_dim is None:
             raise NotFused(f"head dim of {x.name} is symbolic ({xv.shape[-1]}); rotary_mul needs a static one")
+        if size_eq(xv.numel(), 0):
+            raise NotFused(f"x {x.name} of shape {list(xv.shape)} is empty; nothing to fuse")
         if head_dim % 2:
             raise NotFused(f"head dim {head_dim} is odd")
         for tensor, dtype in ((x, xv.dtype), (cos, cv.dtype), (sin, sv.dtype), (anchor, val(anchor).dtype)):
@@ -158,6 +160,8 @@ class RotaryMulFusion(FusionPass):
         head_dim = static_int(xv.shape[-1])
         if head_dim is None:
             raise NotFused(f"head dim of {x.name} is symbolic; rotary_mul needs a static one")
+        if size_eq(xv.numel(), 0):
+            raise NotFused(f"x {x.name} of shape {list(xv.shape)} is empty; nothing to fuse")
         if not size_eq(fv.shape[-1], head_dim // 2):
             raise NotFused(f"freqs_cis last dim {fv.shape[-1]} != head dim / 2 = {head_dim // 2}")
         leaked = users_outside(nodes, [anchor])
