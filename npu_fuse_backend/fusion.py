@@ -36,6 +36,7 @@ from .graph_utils import shape_eq, size_eq
 from .lowering.registry import SOC_LIMITS
 from .report import GraphReport, Match, NearMiss, new_report, publish
 from .soc import resolve_soc
+from .validate import check_rewrite
 
 log = logging.getLogger("npu_fuse")
 
@@ -391,7 +392,8 @@ class PassManager:
 
     @staticmethod
     def _differs(subgraph: list[Node], outputs: dict, inserted: list[Node]) -> Optional[str]:
-        """Why the replacement does not stand in for the subgraph: a layout a later view relies on."""
+        """Why the replacement does not stand in for the subgraph: a layout a later view relies on,
+        or (translation validation) different values on random inputs."""
         for old, new in outputs.items():
             before, after = old.meta.get("val"), new.meta.get("val")
             if isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and \
@@ -400,6 +402,8 @@ class PassManager:
                 if viewer is not None:
                     return (f"the replacement of {old.name} has strides {list(after.stride())}, not "
                             f"{list(before.stride())}, and {viewer.name} views it")
+        if config.translation_validation:
+            return check_rewrite(subgraph, outputs, inserted)
         return None
 
     @staticmethod

@@ -11,10 +11,12 @@ import npu_fuse_backend as nf  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def fresh_compile_state():
+    """Every test starts clean, with every rewrite translation-validated."""
     torch._dynamo.reset()
     nf.clear_reports()
     torch.manual_seed(0)
-    yield
+    with nf.config.patch(translation_validation=True):
+        yield
     torch._dynamo.reset()
 
 
@@ -61,3 +63,33 @@ def no_generic_top_level_imports():
     yield
     leaked = sorted(name for name in sys.modules if name.split(".")[0] in ("lowering", "converters"))
     assert not leaked, f"imported by a generic top-level name: {leaked}"
+
+
+# The MLA pass turns an out-of-range slot into a write elsewhere (index_put: wrapped with
+# remainder) or into no write (index_copy_/scatter_ with -1), where eager raises (issue 9,
+# fixed on the MLA branch). Translation validation draws such slots and refuses the rewrite,
+# so these tests cannot see the prologue fuse until that fix lands. strict: each fails
+# loudly once the fusion validates again; then delete this list.
+MLA_FUSIONS_REFUSED_UNTIL_THE_SLOT_FIX = {
+    "tests/test_converters.py::test_mla_prologue_becomes_one_mla_preprocess",
+    "tests/test_mla_fusion.py::test_prologue_fuses_with_outputs_and_cache_close_to_eager[half-bf16]",
+    "tests/test_mla_fusion.py::test_prologue_fuses_with_outputs_and_cache_close_to_eager[half-w8a8]",
+    "tests/test_mla_fusion.py::test_prologue_fuses_with_outputs_and_cache_close_to_eager[interleave-bf16]",
+    "tests/test_mla_fusion.py::test_prologue_fuses_with_outputs_and_cache_close_to_eager[interleave-w8a8]",
+    "tests/test_mla_fusion.py::test_dynamic_token_counts",
+    "tests/test_mla_fusion.py::test_soc_gate[Ascend910B-True-None]",
+    "tests/test_mla_fusion.py::test_soc_gate[Ascend910_93-True-None]",
+    "tests/test_mla_fusion.py::test_other_cache_write_forms[index_copy_]",
+    "tests/test_mla_fusion.py::test_other_cache_write_forms[scatter_]",
+    "tests/test_mla_fusion.py::test_inductor_lowering_fuses_the_prologue[bf16-interleave]",
+    "tests/test_mla_fusion.py::test_inductor_lowering_fuses_the_prologue[w8a8]",
+    "tests/test_mla_fusion.py::test_w8a8_input_norm_without_beta",
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.nodeid in MLA_FUSIONS_REFUSED_UNTIL_THE_SLOT_FIX:
+            item.add_marker(pytest.mark.xfail(
+                strict=True, reason="translation validation refuses the MLA rewrite: out-of-range slots "
+                                    "do not raise as in eager (fixed on the MLA branch)"))
