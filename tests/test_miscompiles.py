@@ -216,6 +216,29 @@ def test_zero_size_inputs_are_near_misses(fn, shapes):
     assert out.shape == fn(*args).shape
 
 
+def test_mla_prologue_of_zero_tokens_is_a_near_miss_with_the_ops_rule():
+    from npu_fuse_backend.demo_models import DeepSeekMLA, MLAConfig, mla_decode_inputs
+    from test_mla_fusion import projections_and_rope
+
+    class Prologue(DeepSeekMLA):
+        def forward(self, x, cos, sin, slot_mapping, kv_cache):
+            q_nope, q_pe, kv_c, k_pe = projections_and_rope(self, x, cos, sin)
+            q_nope = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+            kv_cache.view(-1, 576)[slot_mapping] = torch.cat([self.kv_a_layernorm(kv_c), k_pe], -1)
+            return torch.cat([q_nope, q_pe], -1)
+
+    cfg = MLAConfig()
+    model = Prologue(cfg).to(torch.bfloat16).eval()
+    x, cos, sin, slots, _ = mla_decode_inputs(cfg, 0, 1)
+    cache = torch.randn(cfg.num_blocks, cfg.block_size, 1, 576).to(torch.bfloat16)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        out, reports = compile_fused(model, x, cos, sin, slots, cache, strict=True)
+    assert "mla_preprocess" not in fused_ops(reports)
+    assert any("npu_fuse.mla_preprocess: token count must be in 1..1024, got 0" in r for r in near_miss_reasons(reports))
+    assert out.shape == (0, cfg.heads, 576)
+
+
 def test_an_op_rejecting_what_a_pass_built_is_a_near_miss_with_the_ops_rule(monkeypatch):
     """A fused op's argument check failing on the call a rewrite builds refuses that rewrite."""
     from npu_fuse_backend.passes import rope
@@ -325,3 +348,21 @@ def test_errors_name_the_op_and_the_argument(call, message):
         call()
     with pytest.raises(ValueError, match=message), torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True):
         call()
+
+
+# -- found by the fuzzer -------------------------------------------------------------------------
+def test_the_backward_of_metas_complex_rope_fuses_instead_of_failing_the_pass():
+    """The backward rotates by conj(freqs_cis), a conjugate view that has no real view."""
+    def fn(x, freqs):
+        pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * freqs.view(1, 3, 1, 4)).flatten(3)
+
+    x, freqs = torch.randn(2, 3, 2, 8), torch.polar(torch.ones(3, 4), torch.randn(3, 4))
+    leaf = x.clone().requires_grad_()
+    with nf.config.patch(fallback="aot_eager", strict=True):
+        torch.compile(fn, backend="npu_fuse")(leaf, freqs).pow(2).sum().backward()
+    reports = nf.get_reports()
+    assert [(r.kind, m.op) for r in reports for m in r.matches] == [("forward", "rotary_mul"), ("backward", "rotary_mul")]
+    expected = x.clone().requires_grad_()
+    fn(expected, freqs).pow(2).sum().backward()
+    assert_close(leaf.grad, expected.grad)

@@ -170,7 +170,9 @@ class RotaryMulFusion(FusionPass):
         lift = xv.dim() == 3
 
         def build(b: GraphBuilder) -> Node:
-            parts = b.call(aten.view_as_real.default, freqs)  # (..., D/2, 2): cos, sin
+            # a conjugate view (the backward rotates by conj(freqs_cis)) has no real view until resolved
+            table = b.call(aten.resolve_conj.default, freqs) if fv.is_conj() else freqs
+            parts = b.call(aten.view_as_real.default, table)  # (..., D/2, 2): cos, sin
             cos, sin = (_repeat_pairs(b, b.call(aten.select.int, parts, -1, lane)) for lane in (0, 1))
             xx = b.call(aten.unsqueeze.default, x, 0) if lift else x
             out = b.call(torch.ops.npu_fuse.rotary_mul.default, xx, b.unsqueeze_to(cos, 4), b.unsqueeze_to(sin, 4),
