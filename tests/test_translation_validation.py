@@ -299,3 +299,15 @@ def test_an_internal_error_of_the_validator_refuses_the_rewrite_never_the_compil
     assert near_miss_reasons(reports) == ["replacement could not be validated: RuntimeError: validator bug"]
     assert_close(out, rope(*args))
 
+
+
+def test_a_rewrite_identical_to_one_shown_equal_is_not_evaluated_again(monkeypatch):
+    runs = []
+    run = validate._Validation.run
+    monkeypatch.setattr(validate._Validation, "run", lambda self: runs.append(1) or run(self))
+    q, cos, sin = rope_args()
+    k, k_gqa = torch.randn_like(q), torch.randn(2, 5, 1, 16)
+    out, reports = compile_fused(lambda q, k, g: (rope(q, cos, sin), rope(k, cos, sin), rope(g, cos, sin)), q, k, k_gqa)
+    assert fused_ops(reports) == ["rotary_mul"] * 3
+    assert len(runs) == 2  # q and k are the same rewrite on inputs of one layout; the GQA k is not
+    assert tally() == {"equal": 3, "equal_by_identical_rewrite": 1}
