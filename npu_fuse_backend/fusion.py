@@ -7,11 +7,13 @@ this pattern), or raises :class:`NotFused` with the rule the candidate breaks (a
 near-miss, reported with that reason).
 
 The :class:`PassManager` canonicalizes the graph, runs the passes in their declared
-order, applies each pass's rewrites through a journal and checks every fused-op call a
-rewrite inserted against the target: a fused op the lowering cannot convert, or one
-whose arguments break that op's limits on the target SoC, undoes that rewrite and
-becomes a near-miss. A pass that fails half-way leaves the graph exactly as it found
-it, with a warning (or an exception under ``config.strict``).
+order, applies each pass's rewrites through a journal and checks each rewrite before it
+stays: a fused-op call the lowering cannot convert, or whose arguments break that op's
+argument checks or its limits on the target SoC; a replacement whose strides differ where
+a later view reads them; and (``config.translation_validation``, ``validate.py``) a
+replacement that computes something else than the subgraph on random inputs. A failed
+check undoes that rewrite and becomes a near-miss. A pass that fails half-way leaves the
+graph exactly as it found it, with a warning (or an exception under ``config.strict``).
 
 New passes register themselves with :func:`register_fusion`; every module in
 ``npu_fuse_backend/passes`` is imported on first use and ``runs_before`` orders them, so

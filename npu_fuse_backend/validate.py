@@ -23,7 +23,8 @@ Inputs. The values both sides read from the rest of the graph are drawn once and
   to distinct small primes, in the inputs and in the size arguments of its nodes (cheap:
   RoPE on [B, N, S, D] runs at S = 5). Where the shrunk problem does not run, or differs,
   the full one decides, up to ``MAX_ELEMENTS`` input elements; beyond that the rewrite is
-  accepted unvalidated (counted in ``counters["npu_fuse_validation"]``, logged).
+  refused if the shrunk run differed, else accepted unvalidated (counted in
+  ``counters["npu_fuse_validation"]``, logged).
 
 Raising is an outcome like a value: for every index input a second and third draw put one
 index just out of range (too large, too negative), where the subgraph raises; the
@@ -211,16 +212,20 @@ class _Validation:
     # -- running ---------------------------------------------------------------------------
     def run(self) -> Optional[str]:
         full = sum(_numel(n.meta.get("val")) for n in self.leaves)
+        shrunk_difference = None
         if full > FULL_SIZE_ELEMENTS:
             shrink = self._shrink_map()
             if shrink:
                 try:
-                    if self._compare(shrink) is None:
+                    shrunk_difference = self._compare(shrink)
+                    if shrunk_difference is None:
                         return None
-                    # a difference is confirmed at the real shapes: shrinking may have broken the subgraph
+                    # confirmed at the real shapes below: shrinking may have broken the subgraph
                 except Unvalidatable as why:
                     log.debug("validation on shrunk shapes did not run (%s); trying full shapes", why)
             if full > MAX_ELEMENTS:
+                if shrunk_difference:  # unconfirmed, but not shown equal either: refused
+                    return shrunk_difference + " (on shrunk shapes)"
                 log.info("npu_fuse: rewrite accepted unvalidated: its inputs have %d elements (> %d)",
                          full, MAX_ELEMENTS)
                 return _TOO_LARGE

@@ -311,3 +311,13 @@ def test_a_rewrite_identical_to_one_shown_equal_is_not_evaluated_again(monkeypat
     assert fused_ops(reports) == ["rotary_mul"] * 3
     assert len(runs) == 2  # q and k are the same rewrite on inputs of one layout; the GQA k is not
     assert tally() == {"equal": 3, "equal_by_identical_rewrite": 1}
+
+
+def test_a_difference_on_shrunk_shapes_that_cannot_be_confirmed_still_refuses(monkeypatch):
+    monkeypatch.setattr(validate, "FULL_SIZE_ELEMENTS", 2000)
+    monkeypatch.setattr(validate, "MAX_ELEMENTS", 4000)
+    perturb(monkeypatch, RotaryMulFusion)
+    out, reports = compile_fused(rope, *rope_args(seq=64))  # 6144 + 2048 input elements
+    assert fused_ops(reports) == []
+    assert near_miss_reasons(reports)[0].startswith(DIFFERS) and near_miss_reasons(reports)[0].endswith(
+        "(on shrunk shapes)")
