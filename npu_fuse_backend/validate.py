@@ -74,6 +74,13 @@ class _NoSignature(Exception):
     pass
 
 
+class _Ref(int):
+    """A node of the rewrite, by its position, in a signature."""
+
+    def __repr__(self) -> str:
+        return f"%{int(self)}"
+
+
 class Unvalidatable(Exception):
     """The rewrite cannot be evaluated (the reason says why)."""
 
@@ -190,20 +197,18 @@ class _Validation:
             else:
                 parts.append(("value", type(value).__name__, _concrete(value)))
             index[node] = len(index)
+        def encode(x):
+            if isinstance(x, Node):
+                return _Ref(index[x])
+            if isinstance(x, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
+                raise _NoSignature
+            return x
+
         for node in [*self.bridge, *self.original, *self.inserted]:
             index[node] = len(index)
-            encoded = []
-
-            def encode(x):
-                if isinstance(x, Node):
-                    return ("node", index[x]) if x in index else ("outside", x.name)
-                if isinstance(x, torch.Tensor):
-                    raise _NoSignature
-                return ("const", type(x).__name__, repr(_concrete(x)))
-
             try:
-                encoded = torch.utils._pytree.tree_map(encode, (node.args, node.kwargs))
-            except _NoSignature:
+                encoded = torch.fx.node.map_aggregate((node.args, node.kwargs), encode)
+            except (_NoSignature, KeyError):
                 return None
             parts.append((str(node.target), repr(encoded)))
         parts.append(tuple((index.get(old), index.get(new)) for old, new in self.outputs.items()))
@@ -363,8 +368,9 @@ def _plan_inputs(reads: list) -> tuple:
 
 
 def _is_random(node: Node) -> bool:
+    """A node whose value is not a function of its inputs (random, uninitialized, or mutating)."""
     name = getattr(node.target, "__name__", "")
-    return node.is_impure() or name.split(".")[0] in _RANDOM_OPS
+    return name.split(".")[0] in _RANDOM_OPS or _mutates(node)
 
 
 def _index_use(leaf: Node, scope: set) -> Optional[_IndexUse]:

@@ -168,7 +168,7 @@ def rope_program(rng: random.Random, g: torch.Generator, lookalike: bool) -> Pro
 
 def complex_rope_program(rng: random.Random, g: torch.Generator, lookalike: bool) -> Program:
     b, s, n, d = rng.choice([1, 2]), rng.choice([3, 6]), rng.choice([2, 4]), rng.choice([8, 16])
-    conj = lookalike  # a look-alike: the conjugate rotation is a different function
+    conj = lookalike  # the inverse rotation (as the backward computes it): fuses too, with -sin
 
     def fn(x, freqs):
         pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
@@ -179,8 +179,8 @@ def complex_rope_program(rng: random.Random, g: torch.Generator, lookalike: bool
         angles = torch.rand(s, d // 2, generator=g) * 6
         return [_randn(g, [b, s, n, d], torch.float32), torch.polar(torch.ones_like(angles), angles)]
 
-    return Program(f"rope Meta complex form [{b},{s},{n},{d}]{' LOOK-ALIKE: conjugate' if conj else ''}", "rope",
-                   fn, make_inputs, must_fuse=None if lookalike else "rotary_mul", grad_args=(0,))
+    return Program(f"rope Meta complex form [{b},{s},{n},{d}]{' by conj(freqs_cis)' if conj else ''}", "rope",
+                   fn, make_inputs, must_fuse="rotary_mul", grad_args=(0,))
 
 
 def partial_rope_program(rng: random.Random, g: torch.Generator, lookalike: bool) -> Program:
