@@ -349,7 +349,8 @@ def match_rotation_transpose(node) -> Optional[Rotation]:
             if (pa.start, pa.end, pa.step) == (half, size, 1) and (pb.start, pb.end, pb.step) == (0, half, 1) \
                     and size % 2 == 0:
                 hi, lo = last_dim_piece(pb.value), last_dim_piece(neg_in)
-                if hi and lo and hi.source is lo.source and (lo.start, lo.end, hi.start, hi.end) == (0, half, half, size):
+                if hi and lo and hi.source is lo.source and \
+                        (lo.start, lo.end, hi.start, hi.end) == (0, half, half, size):
                     nodes = [node, pa.value, *pa.nodes, *pb.nodes, *hi.nodes, *lo.nodes]
                     return Rotation(hi.source, "half", _with_own_constants(nodes, (pa, pb)))
             if pa.start == 1 and pb.start == 0 and pa.step == pb.step == 2:

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import torch
 
 import npu_fuse_backend as nf
-from npu_fuse_backend.demo_models import DeepSeekMLA, MLAConfig, mla_decode_inputs
+from npu_fuse_backend.demo_models import DeepSeekMLA, MLAConfig, mla_decode_inputs, rope_tokens
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -332,7 +332,6 @@ def mla_program(rng: random.Random, g: torch.Generator, lookalike: bool) -> Prog
                                                      ).to(kv_c.dtype)
             else:
                 kv_c = self.kv_a_layernorm(kv_c)
-            from npu_fuse_backend.demo_models import rope_tokens
             q_pe, k_pe = rope_tokens(q_pe, cos, sin, c.rope_style), rope_tokens(k_pe, cos, sin, c.rope_style)
             q_nope = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
             flat, rows = kv_cache.view(-1, c.kv_lora + c.rope), torch.cat([kv_c, k_pe], dim=-1)
