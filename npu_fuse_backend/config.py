@@ -51,6 +51,9 @@ disabled_fusions: list = _env_list("NPU_FUSE_DISABLE")
 # Raise instead of warning when a fusion pass fails internally.   [NPU_FUSE_STRICT=1|true|yes|on]
 strict: bool = _env_flag("NPU_FUSE_STRICT")
 
+# Run each rewrite's subgraph and replacement on random inputs; a difference refuses it (validate.py).
+translation_validation: bool = True
+
 # Keep at most this many per-graph reports for get_reports() (oldest dropped).
 max_reports: int = 256
 

@@ -7,11 +7,13 @@ this pattern), or raises :class:`NotFused` with the rule the candidate breaks (a
 near-miss, reported with that reason).
 
 The :class:`PassManager` canonicalizes the graph, runs the passes in their declared
-order, applies each pass's rewrites through a journal and checks every fused-op call a
-rewrite inserted against the target: a fused op the lowering cannot convert, or one
-whose arguments break that op's limits on the target SoC, undoes that rewrite and
-becomes a near-miss. A pass that fails half-way leaves the graph exactly as it found
-it, with a warning (or an exception under ``config.strict``).
+order, applies each pass's rewrites through a journal and checks each rewrite before it
+stays: a fused-op call the lowering cannot convert, or whose arguments break that op's
+argument checks or its limits on the target SoC; a replacement whose strides differ where
+a later view reads them; and (``config.translation_validation``, ``validate.py``) a
+replacement that computes something else than the subgraph on random inputs. A failed
+check undoes that rewrite and becomes a near-miss. A pass that fails half-way leaves the
+graph exactly as it found it, with a warning (or an exception under ``config.strict``).
 
 New passes register themselves with :func:`register_fusion`; every module in
 ``npu_fuse_backend/passes`` is imported on first use and ``runs_before`` orders them, so
@@ -21,6 +23,7 @@ adding a fusion touches nothing here.
 import dataclasses
 import importlib
 import logging
+import operator
 import pkgutil
 import time
 import warnings
@@ -31,12 +34,45 @@ from torch.fx import Graph, GraphModule, Node
 
 from . import config
 from .canonicalize import canonicalize
-from .graph_utils import is_input_view
+from .graph_utils import is_input_view, shape_eq, size_eq
 from .lowering.registry import SOC_LIMITS
 from .report import GraphReport, Match, NearMiss, graph_frame, involved, log_graph, new_report, publish, where
 from .soc import resolve_soc
+from .validate import check_rewrite
 
 log = logging.getLogger("npu_fuse")
+
+aten = torch.ops.aten
+# ops whose result depends on their input's strides, not only its values
+STRIDE_SENSITIVE = (aten.view.default, aten._unsafe_view.default, aten.as_strided.default,
+                    aten.view_as_complex.default, aten.view_as_real.default)
+# views whose result's strides are their input's, rearranged
+LAYOUT_VIEWS = (aten.transpose.int, aten.permute.default, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim,
+                aten.squeeze.default, aten.expand.default, aten.alias.default, aten.slice.Tensor, aten.select.int,
+                aten.unbind.int, aten.split.Tensor, aten.split_with_sizes.default, aten.diagonal.default,
+                operator.getitem)
+
+
+def _stride_sensitive_user(node: Node) -> Optional[Node]:
+    """A node that reads node's strides, directly or through views that pass them on."""
+    frontier, seen = [node], set()
+    while frontier:
+        for user in frontier.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.target in STRIDE_SENSITIVE:
+                return user
+            if user.target in LAYOUT_VIEWS:
+                frontier.append(user)
+    return None
+
+
+def same_significant_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b lay their elements out alike (strides of size-1 dims do not matter)."""
+    if not shape_eq(a.shape, b.shape):
+        return True  # a shape change is the validation's to report
+    return all(size_eq(size, 1) or size_eq(sa, sb) for size, sa, sb in zip(a.shape, a.stride(), b.stride()))
 
 
 class FusionError(RuntimeError):
@@ -46,6 +82,10 @@ class FusionError(RuntimeError):
 class NotFused(Exception):
     """Raised by :meth:`FusionPass.match`: the candidate looks like the pattern but breaks
     the rule named in the message, so it is not fused (a near-miss)."""
+
+
+class ArgumentsRefused(Exception):
+    """A fused op's argument check refused the call a rewrite was building (a near-miss)."""
 
 
 @dataclasses.dataclass
@@ -90,8 +130,13 @@ class GraphBuilder:
         node = self.graph.call_function(target, args, kwargs)
         self._inserted.append(node)
         fake_args, fake_kwargs = torch.fx.map_arg((args, kwargs), lambda n: n.meta["val"])
-        with self.fake_mode:
-            node.meta["val"] = target(*fake_args, **fake_kwargs)
+        try:
+            with self.fake_mode:
+                node.meta["val"] = target(*fake_args, **fake_kwargs)
+        except ValueError as exc:  # a fused op's argument check: the op cannot take this subgraph
+            if fused_calls([node]):
+                raise ArgumentsRefused(str(exc)) from exc
+            raise
         return node
 
     def unsqueeze_to(self, node: Node, rank: int) -> Node:
@@ -204,6 +249,7 @@ class _Journal:
         self.graph = graph
         self.inserted: list[Node] = []
         self.replaced: dict[Node, Node] = {}
+        self.redirected: dict[Node, list[Node]] = {}  # old -> the users moved to its replacement
 
     def apply(self, rewrite: Rewrite, fake_mode: Any) -> list[Node]:
         """Build the replacement and redirect the subgraph's outputs to it; returns the new nodes."""
@@ -214,9 +260,14 @@ class _Journal:
         outputs = built if isinstance(built, dict) else {rewrite.anchor: built}
         for old, new in outputs.items():
             new.meta.setdefault("stack_trace", old.meta.get("stack_trace"))
+            self.redirected[old] = list(old.users)
             old.replace_all_uses_with(new)
             self.replaced[old] = new
         return self.inserted[first:]
+
+    def outputs_since(self, checkpoint: tuple[int, int]) -> dict:
+        """{subgraph output: its replacement} of the rewrites applied after checkpoint."""
+        return dict(list(self.replaced.items())[checkpoint[1]:])
 
     def checkpoint(self) -> tuple[int, int]:
         return len(self.inserted), len(self.replaced)
@@ -224,7 +275,8 @@ class _Journal:
     def rollback(self, to: tuple[int, int] = (0, 0)) -> None:
         inserted, replaced = to
         for old, new in reversed(list(self.replaced.items())[replaced:]):
-            new.replace_all_uses_with(old)
+            for user in self.redirected.pop(old):  # only old's users: outputs may share one replacement
+                user.replace_input_with(new, old)
             del self.replaced[old]
         for node in reversed(self.inserted[inserted:]):
             if node.graph is self.graph and not node.users:
@@ -313,7 +365,12 @@ class PassManager:
                                                        "overlaps a subgraph that was already fused"))
                     continue
                 checkpoint = journal.checkpoint()
-                refusal = self._refusal(ctx, journal.apply(rewrite, ctx.fake_mode))
+                try:
+                    inserted = journal.apply(rewrite, ctx.fake_mode)
+                    refusal = self._refusal(ctx, inserted) or \
+                        self._differs(subgraph, journal.outputs_since(checkpoint), inserted)
+                except ArgumentsRefused as refused:
+                    refusal = str(refused)
                 if refusal:
                     journal.rollback(checkpoint)
                     near_misses.append(self._near_miss(fusion, rewrite.anchor, refusal))
@@ -345,6 +402,22 @@ class PassManager:
         return None
 
     @staticmethod
+    def _differs(subgraph: list[Node], outputs: dict, inserted: list[Node]) -> Optional[str]:
+        """Why the replacement does not stand in for the subgraph: a layout a later view relies on,
+        or (translation validation) different values on random inputs."""
+        for old, new in outputs.items():
+            before, after = old.meta.get("val"), new.meta.get("val")
+            if isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and \
+                    not same_significant_strides(before, after):
+                viewer = _stride_sensitive_user(new)
+                if viewer is not None:
+                    return (f"the replacement of {old.name} has strides {list(after.stride())}, not "
+                            f"{list(before.stride())}, and {viewer.name} views it")
+        if config.translation_validation:
+            return check_rewrite(subgraph, outputs, inserted)
+        return None
+
+    @staticmethod
     def _near_miss(fusion: FusionPass, anchor: Node, reason: str) -> NearMiss:
         return NearMiss(fusion.family, anchor.name, reason, **where([anchor]), nodes=involved(anchor))
 
@@ -359,7 +432,13 @@ class PassManager:
 
 
 def _erase_dead(graph: Graph, nodes: set[Node]) -> None:
+    """Erase the replaced nodes left without users, and the constants (a shared zeros) they alone used."""
     order = {node: i for i, node in enumerate(graph.nodes)}
+    constants = set()
     for node in sorted(nodes, key=order.__getitem__, reverse=True):
+        if not node.users and not node.is_impure():
+            constants.update(n for n in node.all_input_nodes if n.op == "call_function" and not n.all_input_nodes)
+            graph.erase_node(node)
+    for node in constants - nodes:
         if not node.users and not node.is_impure():
             graph.erase_node(node)

@@ -287,6 +287,7 @@ class Placed(NamedTuple):
     end: int
     step: int
     nodes: list
+    zeros: Optional[Node]  # the zeros written into, when a node of the graph
 
 
 def _is_zeros(node) -> bool:
@@ -296,18 +297,25 @@ def _is_zeros(node) -> bool:
 def placed(node) -> Optional[Placed]:
     if is_call(node, aten.slice_backward.default):
         value, _, dim, start, end, step = node.args
-        nodes = [node]
+        zeros = None
     elif is_call(node, aten.slice_scatter.default) and _is_zeros(node.args[0]):
-        value = node.args[1]
+        value, zeros = node.args[1], node.args[0]
         dim, start, end, step = slice_scatter_args(node)
-        nodes = [node, node.args[0]]
     else:
         return None
     size = static_int(val(node).shape[-1])
     start, end, step = static_int(start), static_int(end), static_int(step)
     if not _is_last_dim(dim, node) or None in (start, end, step, size):
         return None
-    return Placed(value, _python_index(start, size), _python_index(end, size), step, nodes)
+    return Placed(value, _python_index(start, size), _python_index(end, size), step, [node], zeros)
+
+
+def _with_own_constants(nodes: list, places: tuple) -> list:
+    """nodes plus the zeros the places write into, where only nodes use them: a constant that
+    inductor shares between several sites (one zeros for every layer) is an input of each."""
+    inside = set(nodes)
+    owned = [p.zeros for p in places if p.zeros is not None and set(p.zeros.users) <= inside]
+    return list(dict.fromkeys([*nodes, *owned]))
 
 
 def match_rotation_transpose(node) -> Optional[Rotation]:
@@ -341,13 +349,15 @@ def match_rotation_transpose(node) -> Optional[Rotation]:
             if (pa.start, pa.end, pa.step) == (half, size, 1) and (pb.start, pb.end, pb.step) == (0, half, 1) \
                     and size % 2 == 0:
                 hi, lo = last_dim_piece(pb.value), last_dim_piece(neg_in)
-                if hi and lo and hi.source is lo.source and (lo.start, lo.end, hi.start, hi.end) == (0, half, half, size):
-                    return Rotation(hi.source, "half", [node, pa.value, *pa.nodes, *pb.nodes, *hi.nodes, *lo.nodes])
+                if hi and lo and hi.source is lo.source and \
+                        (lo.start, lo.end, hi.start, hi.end) == (0, half, half, size):
+                    nodes = [node, pa.value, *pa.nodes, *pb.nodes, *hi.nodes, *lo.nodes]
+                    return Rotation(hi.source, "half", _with_own_constants(nodes, (pa, pb)))
             if pa.start == 1 and pb.start == 0 and pa.step == pb.step == 2:
                 even, odd = pair_lane(neg_in), pair_lane(pb.value)
                 if even and odd and even.source is odd.source and even.lane == 0 and odd.lane == 1:
                     nodes = [node, pa.value, *pa.nodes, *pb.nodes, *even.nodes, *odd.nodes]
-                    return Rotation(even.source, "interleave", list(dict.fromkeys(nodes)))
+                    return Rotation(even.source, "interleave", _with_own_constants(nodes, (pa, pb)))
         return None
     if is_call(node, *VIEWS):  # backward of unbind + stack
         return interleaved_pairs(node, transposed=True)

@@ -7,14 +7,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import npu_fuse_backend as nf  # noqa: E402
+from npu_fuse_backend.validate import forget_shown_equal  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def fresh_compile_state():
+    """Every test starts clean, with every rewrite translation-validated."""
     torch._dynamo.reset()
     nf.clear_reports()
+    forget_shown_equal()
     torch.manual_seed(0)
-    yield
+    with nf.config.patch(translation_validation=True):
+        yield
     torch._dynamo.reset()
 
 

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ...soc import A2_A3, ASCEND950, fits_layout
 from ..registry import decomposition, npu_kernel, refuse_autograd, soc_limits
-from ..rope_math import compute_dtype, rotate
+from ..rope_math import check_one_device, compute_dtype, rotate
 
 __all__ = ["inplace_partial_rotary_mul"]  # public entry points (npu_fuse.ops)
 
@@ -27,23 +27,26 @@ SCHEMA_TAIL = "Tensor r1, Tensor r2, *, str rotary_mode='interleave', int[2] par
 
 
 def check_inplace_partial_rotary_mul_args(x: Tensor, r1: Tensor, r2: Tensor, rotary_mode: str,
-                                          partial_slice: Sequence[int], name: str) -> None:
-    """Raise ValueError naming the first rule of the contract the arguments break."""
+                                          partial_slice: Sequence[int], name: str, x_name: str = "x") -> None:
+    """Raise ValueError naming the op, the argument and the first rule of the contract it breaks
+    (``x_name``: what the op calls the tensor it rotates in place, "grad" in the backward)."""
     if rotary_mode != "interleave":
         raise ValueError(f"{name}: only rotary_mode='interleave' is supported, got {rotary_mode!r}")
     if len(partial_slice) != 2:
         raise ValueError(f"{name}: partial_slice must be [start, end], got {list(partial_slice)}")
+    check_one_device(name, {x_name: x, "r1": r1, "r2": r2})
     if x.dim() != 4:
-        raise ValueError(f"{name}: x must be 4-D BSND, got {x.dim()}-D shape {tuple(x.shape)}")
+        raise ValueError(f"{name}: {x_name} must be 4-D BSND, got {x.dim()}-D shape {tuple(x.shape)}")
     if x.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{name}: x dtype must be float16, bfloat16 or float32, got {x.dtype}")
+        raise ValueError(f"{name}: {x_name} dtype must be float16, bfloat16 or float32, got {x.dtype}")
     if any(size == 0 for size in x.shape):
-        raise ValueError(f"{name}: every dim of x must be > 0, got shape {tuple(x.shape)}")
+        raise ValueError(f"{name}: every dim of {x_name} must be > 0, got shape {tuple(x.shape)}")
     if not x.is_contiguous():
-        raise ValueError(f"{name}: x must be contiguous")
+        raise ValueError(f"{name}: {x_name} must be contiguous, got strides {tuple(x.stride())}")
     head_dim = x.shape[-1]
     if head_dim > MAX_HEAD_DIM or head_dim % 2:
-        raise ValueError(f"{name}: head dim D must be even and <= {MAX_HEAD_DIM}, got {head_dim}")
+        raise ValueError(f"{name}: head dim D must be even and <= {MAX_HEAD_DIM} (last dim of {x_name}), "
+                         f"got {head_dim}")
     start, end = partial_slice
     if not 0 <= start <= end <= head_dim:
         raise ValueError(f"{name}: partial_slice must satisfy 0 <= start <= end <= D={head_dim}, "
@@ -51,7 +54,8 @@ def check_inplace_partial_rotary_mul_args(x: Tensor, r1: Tensor, r2: Tensor, rot
     if (end - start) % 2:
         raise ValueError(f"{name}: slice length end - start must be even, got {end - start}")
     if r1.dtype != r2.dtype or r1.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{name}: r1 and r2 must share one float dtype, got {r1.dtype} and {r2.dtype}")
+        raise ValueError(f"{name}: r1 and r2 must share one float dtype (float16, bfloat16, float32), "
+                         f"got r1 {r1.dtype} and r2 {r2.dtype}")
     for arg, r in (("r1", r1), ("r2", r2)):
         if r.dim() != 4:
             raise ValueError(f"{name}: {arg} must be 4-D, got {r.dim()}-D shape {tuple(r.shape)}")
@@ -62,7 +66,7 @@ def check_inplace_partial_rotary_mul_args(x: Tensor, r1: Tensor, r2: Tensor, rot
             for i in range(3):
                 if r.shape[i] not in (1, x.shape[i]):
                     raise ValueError(f"{name}: {arg} shape {tuple(r.shape)} does not broadcast to "
-                                     f"x[..., {start}:{end}] shape {tuple(x.shape[:3]) + (end - start,)}")
+                                     f"{x_name}[..., {start}:{end}] shape {tuple(x.shape[:3]) + (end - start,)}")
 
 
 @torch.library.custom_op("npu_fuse::inplace_partial_rotary_mul", mutates_args=("x",),
@@ -96,14 +100,14 @@ def _(x, r1, r2, *, rotary_mode="interleave", partial_slice=(0, 0)):
 def _inplace_partial_rotary_mul_backward_op(grad, r1, r2, *, rotary_mode="interleave",
                                             partial_slice=(0, 0)) -> None:
     check_inplace_partial_rotary_mul_args(grad, r1, r2, rotary_mode, partial_slice,
-                                          "npu_fuse.inplace_partial_rotary_mul_backward")
+                                          "npu_fuse.inplace_partial_rotary_mul_backward", "grad")
     rotate_slice_in_place(grad, r1, r2, partial_slice, adjoint=True)
 
 
 @_inplace_partial_rotary_mul_backward_op.register_fake
 def _(grad, r1, r2, *, rotary_mode="interleave", partial_slice=(0, 0)):
     check_inplace_partial_rotary_mul_args(grad, r1, r2, rotary_mode, partial_slice,
-                                          "npu_fuse.inplace_partial_rotary_mul_backward")
+                                          "npu_fuse.inplace_partial_rotary_mul_backward", "grad")
 
 
 def _functional(x, r1, r2, rotary_mode="interleave", partial_slice=(0, 0)):

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ...soc import A2_A3
 from ..registry import decomposition, npu_kernel, soc_limits
-from ..rope_math import compute_dtype
+from ..rope_math import check_one_device, compute_dtype, like
 
 __all__ = ["softmax_grad_ext"]  # public entry points (npu_fuse.ops)
 
@@ -17,18 +17,20 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def check_softmax_grad_ext_args(grad: Tensor, x1: Tensor, x2: Tensor, axes: list, keep_dims: bool) -> None:
-    """Raise ValueError naming the first rule of the contract the arguments break."""
+    """Raise ValueError naming the op, the argument and the first rule of the contract it breaks."""
     name = "npu_fuse.softmax_grad_ext"
+    check_one_device(name, {"grad": grad, "x1": x1, "x2": x2})
     if grad.shape != x1.shape:
         raise ValueError(f"{name}: grad and x1 must have equal shapes, got {tuple(grad.shape)} and "
                          f"{tuple(x1.shape)}")
     if not 1 <= grad.dim() <= 6:
         raise ValueError(f"{name}: grad and x1 must be 1-D to 6-D, got {grad.dim()}-D")
     if grad.numel() == 0:
-        raise ValueError(f"{name}: empty tensors are not supported, got shape {tuple(grad.shape)}")
-    if grad.dtype not in FLOAT_DTYPES or x1.dtype != grad.dtype or x2.dtype != grad.dtype:
-        raise ValueError(f"{name}: grad, x1 and x2 must share one dtype of float16, bfloat16, float32; "
-                         f"got {grad.dtype}, {x1.dtype}, {x2.dtype}")
+        raise ValueError(f"{name}: empty tensors are not supported, got grad shape {tuple(grad.shape)}")
+    for arg, t in (("grad", grad), ("x1", x1), ("x2", x2)):
+        if t.dtype != grad.dtype or grad.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{name}: grad, x1 and x2 must share one dtype of float16, bfloat16, float32; "
+                             f"{arg} is {t.dtype}, grad {grad.dtype}")
     if not (x2.dim() == 0 or tuple(x2.shape) == (1,) or x2.shape == grad.shape):
         raise ValueError(f"{name}: x2 must be a scalar, shape (1,) or grad's shape {tuple(grad.shape)}, "
                          f"got {tuple(x2.shape)}")
@@ -50,13 +52,14 @@ def softmax_grad_ext(grad: Tensor, x1: Tensor, x2: Tensor, axes=(-1,), keep_dims
 def softmax_grad_ext_reference(grad, x1, x2, axes=(-1,), keep_dims=True):
     dtype = compute_dtype(grad.dtype)
     g, p, scale = grad.to(dtype), x1.to(dtype), x2.to(dtype)
-    return (scale * p * (g - (g * p).sum(-1, keepdim=True))).to(grad.dtype)
+    return like((scale * p * (g - (g * p).sum(-1, keepdim=True))).to(grad.dtype), grad)
 
 
 @softmax_grad_ext.register_fake
 def _(grad, x1, x2, axes=(-1,), keep_dims=True):
     check_softmax_grad_ext_args(grad, x1, x2, axes, keep_dims)
-    return torch.empty_like(grad, memory_format=torch.contiguous_format)
+    return torch.empty_like(grad)  # laid out like grad
+
 
 
 @soc_limits(torch.ops.npu_fuse.softmax_grad_ext.default)

@@ -31,8 +31,8 @@ import torch
 from torch.fx import Node
 
 from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
-from ..graph_utils import aten, broadcasts_to, describe, is_call, norm_dim, rank, shape_eq, slice_scatter_args, \
-    static_int, users_outside, val
+from ..graph_utils import aten, broadcasts_to, describe, is_call, norm_dim, rank, shape_eq, size_eq, \
+    slice_scatter_args, static_int, users_outside, val
 from ..lowering.ops.inplace_partial_rotary_mul import FLOAT_DTYPES, MAX_HEAD_DIM
 from ..matchers import RopeSite, last_dim_cat, last_dim_piece, match_rope_site
 
@@ -149,6 +149,8 @@ class PartialRotaryFusion(FusionPass):
         head_dim = static_int(xv.shape[-1])
         if head_dim is None:
             raise NotFused(f"head dim of {x.name} is symbolic; the op needs a static one")
+        if size_eq(xv.numel(), 0):
+            raise NotFused(f"x {x.name} of shape {list(xv.shape)} is empty; the op needs every dim > 0")
         if head_dim > MAX_HEAD_DIM or head_dim % 2:
             raise NotFused(f"head dim {head_dim} must be even and <= {MAX_HEAD_DIM}")
         if (end - start) % 2:

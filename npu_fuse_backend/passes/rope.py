@@ -106,6 +106,8 @@ class RotaryMulFusion(FusionPass):
         head_dim = static_int(xv.shape[-1])
         if head_dim is None:
             raise NotFused(f"head dim of {x.name} is symbolic ({xv.shape[-1]}); rotary_mul needs a static one")
+        if size_eq(xv.numel(), 0):
+            raise NotFused(f"x {x.name} of shape {list(xv.shape)} is empty; nothing to fuse")
         if head_dim % 2:
             raise NotFused(f"head dim {head_dim} is odd")
         for tensor, dtype in ((x, xv.dtype), (cos, cv.dtype), (sin, sv.dtype), (anchor, val(anchor).dtype)):
@@ -158,6 +160,8 @@ class RotaryMulFusion(FusionPass):
         head_dim = static_int(xv.shape[-1])
         if head_dim is None:
             raise NotFused(f"head dim of {x.name} is symbolic; rotary_mul needs a static one")
+        if size_eq(xv.numel(), 0):
+            raise NotFused(f"x {x.name} of shape {list(xv.shape)} is empty; nothing to fuse")
         if not size_eq(fv.shape[-1], head_dim // 2):
             raise NotFused(f"freqs_cis last dim {fv.shape[-1]} != head dim / 2 = {head_dim // 2}")
         leaked = users_outside(nodes, [anchor])
@@ -166,7 +170,9 @@ class RotaryMulFusion(FusionPass):
         lift = xv.dim() == 3
 
         def build(b: GraphBuilder) -> Node:
-            parts = b.call(aten.view_as_real.default, freqs)  # (..., D/2, 2): cos, sin
+            # a conjugate view (the backward rotates by conj(freqs_cis)) has no real view until resolved
+            table = b.call(aten.resolve_conj.default, freqs) if fv.is_conj() else freqs
+            parts = b.call(aten.view_as_real.default, table)  # (..., D/2, 2): cos, sin
             cos, sin = (_repeat_pairs(b, b.call(aten.select.int, parts, -1, lane)) for lane in (0, 1))
             xx = b.call(aten.unsqueeze.default, x, 0) if lift else x
             out = b.call(torch.ops.npu_fuse.rotary_mul.default, xx, b.unsqueeze_to(cos, 4), b.unsqueeze_to(sin, 4),

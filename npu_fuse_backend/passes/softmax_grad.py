@@ -23,6 +23,7 @@ output. The SoC limit (the GE op exists on Ascend950 only) is the op's ``@soc_li
 """
 
 import dataclasses
+import math
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -66,6 +67,32 @@ def sum_of_product(node) -> Optional[ReducedProduct]:
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     return ReducedProduct(product, list(dims or []), keepdim)
+
+
+def _scale_value(x2, inverted: bool) -> float:
+    return 1.0 / x2 if inverted else float(x2)
+
+
+def _check_scalar_scale(x2, inverted: bool, dtype: torch.dtype) -> None:
+    """A Python-number scale becomes a [1] tensor of grad's dtype: it must be a normal number
+    there (eager multiplies by it in float32; a rounding to inf, 0 or a subnormal changes the result)."""
+    if inverted and x2 == 0:
+        raise NotFused("the chain divides by 0")
+    value = _scale_value(x2, inverted)
+    info = torch.finfo(dtype)
+    if not math.isfinite(value) or (value != 0 and not info.tiny <= abs(value) <= info.max):
+        raise NotFused(f"scale {value:g} is outside {dtype}'s normal range [{info.tiny:g}, {info.max:g}]: "
+                       f"softmax_grad_ext takes it as a {dtype} tensor, eager multiplies in float32")
+
+
+def _leading_ones_of(shape, base) -> bool:
+    """shape is base with zero or more leading 1s (what a one-element x2 of higher rank makes)."""
+    extra = len(shape) - len(base)
+    return extra >= 0 and list(shape[extra:]) == list(base) and all(s == 1 for s in shape[:extra])
+
+
+def _shape_of(x2) -> str:
+    return str(list(x2.shape)) if isinstance(x2, torch.Tensor) else "a number"
 
 
 @dataclasses.dataclass
@@ -229,10 +256,12 @@ class SoftmaxGradExtFusion(FusionPass):
                 if val(scale).numel() == 1 and tuple(val(scale).shape) not in ((), (1,)):
                     scale = b.call(aten.view.default, scale, [1])
             else:
-                value = 1.0 / x2 if chain.scale_inverted else float(x2)
-                scale = b.call(aten.full.default, [1], value, dtype=dtype, device=val(grad).device,
+                scale = b.call(aten.full.default, [1], _scale_value(x2, chain.scale_inverted), dtype=dtype,
+                               device=val(grad).device,
                                pin_memory=False)
             out = b.call(torch.ops.npu_fuse.softmax_grad_ext.default, grad, x1, scale, [-1], True)
+            if val(y).dim() != val(grad).dim():  # a one-element x2 of higher rank adds leading 1s
+                out = b.call(aten.view.default, out, list(val(y).shape))
             if val(y).dtype != dtype:
                 out = b.call(aten._to_copy.default, out, dtype=val(y).dtype)
             if chain.layout:
@@ -240,7 +269,7 @@ class SoftmaxGradExtFusion(FusionPass):
                 return {y: out, **{copy: out for copy in copies}}
             return out
 
-        return Rewrite(y, chain.nodes, self.op, build, detail=chain.form)
+        return Rewrite(y, [*chain.nodes, *copies], self.op, build, detail=chain.form)
 
     def _check(self, ctx: PassContext, y: Node, chain: SoftmaxBackward, copies: list) -> None:
         grad, x1, x2 = val(chain.grad), val(chain.x1), val(chain.x2)
@@ -253,7 +282,12 @@ class SoftmaxGradExtFusion(FusionPass):
         if not 1 <= grad.dim() <= 6:
             raise NotFused(f"grad is {grad.dim()}-D; SoftmaxGradExt takes 1-D to 6-D")
         if grad.numel() == 0:
-            raise NotFused("empty tensors are not supported")
+            raise NotFused(f"grad shape {list(grad.shape)} is empty; SoftmaxGradExt takes no empty tensors")
+        # the scale's operand: grad's shape, or through layout ops the same values laid out anew
+        operand = val(chain.layout.nodes[0]) if chain.layout else grad
+        if not _leading_ones_of(val(y).shape, operand.shape):
+            raise NotFused(f"the result has shape {list(val(y).shape)} (x2 {_shape_of(x2)} broadcasts it), "
+                           f"but softmax_grad_ext returns grad's values in shape {list(operand.shape)}")
         if len(chain.dims) != 1 or norm_dim(chain.dims[0], grad.dim()) != grad.dim() - 1:
             raise NotFused(f"reduction over dims {chain.dims}, not the last dim only")
         if not chain.keepdim:
@@ -268,6 +302,8 @@ class SoftmaxGradExtFusion(FusionPass):
                                f"{list(grad.shape)}")
         elif not isinstance(chain.x2, Scalar) or isinstance(chain.x2, bool):
             raise NotFused(f"x2 {chain.x2!r} is not a number or tensor")
+        else:
+            _check_scalar_scale(chain.x2, chain.scale_inverted, grad.dtype)
         cycle = self._depends_on_chain(ctx, chain)
         if cycle is not None:
             raise NotFused(f"x2 depends on {describe(cycle)} of the chain: fusing would make the op depend "

@@ -1,0 +1,385 @@
+"""Translation validation: every rewrite's replacement is run against the subgraph it
+replaces on random inputs; a difference is a near-miss, never a rewrite."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import npu_fuse_backend as nf
+from conftest import assert_close, compile_fused, fused_ops, near_miss_reasons
+from npu_fuse_backend import fusion, validate
+from npu_fuse_backend.demo_models import DeepSeekMLA, MLAConfig
+from npu_fuse_backend.passes.mla_preprocess import MlaPreprocessFusion
+from npu_fuse_backend.passes.partial_rope import PartialRotaryFusion
+from npu_fuse_backend.passes.rope import RotaryMulFusion
+from npu_fuse_backend.passes.softmax_grad import SoftmaxGradExtFusion
+from test_mla_fusion import decode, projections_and_rope, relative_error
+
+aten = torch.ops.aten
+DIFFERS = "replacement differs from the subgraph"
+
+
+def rotate_half(x):
+    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), -1)
+
+
+def rotate_every_two(x):
+    return torch.stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)
+
+
+def rope(q, cos, sin):
+    return q * cos + rotate_half(q) * sin
+
+
+def rope_args(seq=5):
+    return torch.randn(2, seq, 3, 16), torch.randn(1, seq, 1, 16), torch.randn(1, seq, 1, 16)
+
+
+def tally():
+    return dict(counters["npu_fuse_validation"])
+
+
+@pytest.fixture(autouse=True)
+def fresh_tally():
+    counters["npu_fuse_validation"].clear()
+
+
+def perturb(monkeypatch, cls, output=0, only_op=None):
+    """Make cls's rewrites build a wrong replacement: one output (of a multi-output rewrite, the
+    ``output``-th) times 1.25, as a subtly wrong pass would."""
+    match = cls.match
+
+    def wrong_match(self, ctx, anchor):
+        rewrite = match(self, ctx, anchor)
+        if rewrite is None or (only_op and rewrite.op != only_op):
+            return rewrite
+        build = rewrite.build
+
+        def wrong(b):
+            built = build(b)
+            if isinstance(built, dict):
+                key = list(built)[output]
+                return {**built, key: b.call(aten.mul.Tensor, built[key], 1.25)}
+            return b.call(aten.mul.Tensor, built, 1.25)
+
+        return dataclasses.replace(rewrite, build=wrong)
+
+    monkeypatch.setattr(cls, "match", wrong_match)
+
+
+# -- a wrong replacement is refused, in every family --------------------------------------------
+def partial_cat(q, cos, sin):
+    return torch.cat([q[..., :8] * cos + rotate_every_two(q[..., :8]) * sin, q[..., 8:]], -1)
+
+
+def partial_written_back(q, cos, sin):
+    q = q.clone()
+    q[..., 4:12] = q[..., 4:12] * cos + rotate_every_two(q[..., 4:12]) * sin
+    return q
+
+
+def complex_rope(q, freqs):
+    pairs = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * freqs).flatten(3)
+
+
+def softmax_chain(g, p):
+    return (p * (g - (g * p).sum(-1, keepdim=True))) * 0.125
+
+
+HALF_TABLES = (torch.randn(1, 5, 1, 8), torch.randn(1, 5, 1, 8))
+CASES = {
+    "rope": (RotaryMulFusion, rope, lambda: rope_args()),
+    "rope complex": (RotaryMulFusion, complex_rope,
+                     lambda: (torch.randn(2, 5, 3, 16), torch.polar(torch.ones(5, 1, 8), torch.randn(5, 1, 8)))),
+    "partial cat": (PartialRotaryFusion, partial_cat, lambda: (torch.randn(2, 5, 3, 16), *HALF_TABLES)),
+    "partial written back": (PartialRotaryFusion, partial_written_back,
+                             lambda: (torch.randn(2, 5, 3, 16), *HALF_TABLES)),
+    "softmax_grad": (SoftmaxGradExtFusion, softmax_chain,
+                     lambda: (torch.randn(2, 4, 8), torch.randn(2, 4, 8).softmax(-1))),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_wrong_replacement_is_a_near_miss_and_eager_numerics_stay(monkeypatch, case):
+    cls, fn, make_args = CASES[case]
+    args = make_args()
+    perturb(monkeypatch, cls)
+    out, reports = compile_fused(fn, *args)
+    assert cls.op not in fused_ops(reports)  # (a partial RoPE's rotation may still become rotary_mul)
+    assert any(r.startswith(DIFFERS) for r in near_miss_reasons(reports)), near_miss_reasons(reports)
+    assert_close(out, fn(*args))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_same_wrong_replacement_would_ship_without_validation(monkeypatch, case):
+    cls, fn, make_args = CASES[case]
+    args = make_args()
+    perturb(monkeypatch, cls)
+    out, reports = compile_fused(fn, *args, translation_validation=False)
+    assert len(fused_ops(reports)) == 1
+    assert not torch.allclose(out.float(), fn(*args).float(), atol=1e-3)
+
+
+def test_a_wrong_backward_rewrite_is_refused_in_a_training_graph(monkeypatch):
+    perturb(monkeypatch, RotaryMulFusion, only_op="rotary_mul_backward")
+    q, cos, sin = rope_args()
+    leaf = q.clone().requires_grad_()
+    with nf.config.patch(fallback="aot_eager"):
+        out = torch.compile(rope, backend="npu_fuse")(leaf, cos, sin)
+        out.pow(2).sum().backward()
+    reports = nf.get_reports()
+    assert [m.op for r in reports for m in r.matches] == ["rotary_mul"]  # the forward, unperturbed
+    backward = [n.reason for r in reports if r.kind == "backward" for n in r.near_misses]
+    assert backward and backward[0].startswith(DIFFERS)
+    expected = q.clone().requires_grad_()
+    rope(expected, cos, sin).pow(2).sum().backward()
+    assert_close(leaf.grad, expected.grad)
+
+
+def test_every_rewrite_of_a_training_step_is_validated():
+    q, cos, sin = rope_args()
+    leaf = q.clone().requires_grad_()
+    with nf.config.patch(fallback="aot_eager"):
+        torch.compile(rope, backend="npu_fuse")(leaf, cos, sin).sum().backward()
+    assert sorted(m.op for r in nf.get_reports() for m in r.matches) == ["rotary_mul", "rotary_mul_backward"]
+    assert tally() == {"equal": 2}
+
+
+# -- the MLA prologue: several outputs, an in-place cache, integer slots ----------------------
+MLA = MLAConfig()
+
+
+def mla_variant(write):
+    class Variant(DeepSeekMLA):
+        def forward(self, x, cos, sin, slot_mapping, kv_cache, context_slots):
+            q_nope, q_pe, kv_c, k_pe = projections_and_rope(self, x, cos, sin)
+            q_nope = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+            write(self, kv_cache.view(-1, 576), slot_mapping, torch.cat([self.kv_a_layernorm(kv_c), k_pe], -1))
+            return torch.cat([q_nope, q_pe], dim=-1).float().sum(-1)
+
+    torch.manual_seed(0)
+    return Variant(MLA).to(torch.bfloat16).eval()
+
+
+def mla_reasons(model, steps=1):
+    eager, eager_cache, _ = decode(model, MLA, steps=steps)
+    outs, cache, reports = decode(model, MLA, steps=steps, compile_=True)
+    assert "mla_preprocess" not in fused_ops(reports)
+    for got, expected in zip(outs, eager):
+        torch.testing.assert_close(got, expected)  # the unfused graph computes what eager does
+    torch.testing.assert_close(cache, eager_cache)
+    return [n.reason for r in reports for n in r.near_misses if n.family == "mla_preprocess"]
+
+
+def mla_fuses_validated(model):
+    """The prologue fuses, with eager's numerics, and every rewrite was shown equal."""
+    eager, eager_cache, _ = decode(model, MLA)
+    outs, cache, reports = decode(model, MLA, compile_=True)
+    assert set(fused_ops(reports)) == {"mla_preprocess"}
+    assert all(relative_error(got, expected) < 0.01 for got, expected in zip(outs, eager))
+    assert relative_error(cache, eager_cache) < 0.01
+    assert tally().get("equal", 0) >= 1 and "differs" not in tally() and "unvalidated" not in tally()
+
+
+def slots_rewritten(monkeypatch, rewrite):
+    """Make the MLA rewrite pass ``rewrite(builder, slots, cache)`` to the op instead of its slots."""
+    call = fusion.GraphBuilder.call
+
+    def call_with(self, target, *args, **kwargs):
+        if target is torch.ops.higher_order.auto_functionalized_v2 and "slotmapping" in kwargs:
+            kwargs["slotmapping"] = rewrite(self, kwargs["slotmapping"], kwargs["_all_bases"][0])
+        return call(self, target, *args, **kwargs)
+
+    monkeypatch.setattr(fusion.GraphBuilder, "call", call_with)
+
+
+def test_mla_slots_out_of_range_raise_on_both_sides_so_the_rewrite_is_validated():
+    mla_fuses_validated(DeepSeekMLA(MLA).to(torch.bfloat16).eval())
+
+
+def test_mla_a_replacement_wrapping_out_of_range_slots_is_refused(monkeypatch):
+    def wrap(b, slots, cache):
+        rows = cache.meta["val"].shape[0] * cache.meta["val"].shape[1]
+        return b.call(aten.remainder.Scalar, slots, rows)
+
+    slots_rewritten(monkeypatch, wrap)
+    reasons = mla_reasons(DeepSeekMLA(MLA).to(torch.bfloat16).eval())
+    assert reasons and all(DIFFERS in r and "out-of-range index (too large" in r and "IndexError" in r
+                           for r in reasons)
+
+
+def test_mla_index_copy_refuses_a_negative_slot_and_so_does_the_rewrite():
+    mla_fuses_validated(mla_variant(lambda m, flat, slots, rows: flat.index_copy_(0, slots, rows)))
+
+
+def test_mla_a_replacement_taking_a_negative_slot_index_copy_refuses_is_refused(monkeypatch):
+    """Without the pass's masking, the op counts slot -1 from the end where index_copy raises."""
+    call = fusion.GraphBuilder.call
+    monkeypatch.setattr(fusion.GraphBuilder, "call", lambda self, target, *args, **kwargs:
+                        args[0] if target == aten.masked_fill.Scalar else call(self, target, *args, **kwargs))
+    reasons = mla_reasons(mla_variant(lambda m, flat, slots, rows: flat.index_copy_(0, slots, rows)))
+    assert reasons and all(DIFFERS in r and "too negative: -1" in r for r in reasons)
+
+
+def test_mla_accumulating_cache_write_is_refused():
+    reasons = mla_reasons(mla_variant(lambda m, flat, slots, rows: flat.index_put_((slots,), rows,
+                                                                                  accumulate=True)))
+    assert reasons and all("accumulate=True" in r for r in reasons)
+
+
+def test_mla_rms_norm_over_the_wrong_dim_is_not_fused():
+    def write(m, flat, slots, rows):
+        xf = rows[:, :512].float()
+        normed = (xf * torch.rsqrt(xf.pow(2).mean(0, keepdim=True) + 1e-6)).to(rows.dtype)
+        flat[slots] = torch.cat([m.kv_a_layernorm.weight * normed, rows[:, 512:]], -1)
+
+    assert mla_reasons(mla_variant(write))
+
+
+@pytest.mark.parametrize("output", [0, 1], ids=["q_out", "cache"])
+def test_mla_a_wrong_output_of_the_replacement_is_found_on_valid_slots(monkeypatch, output):
+    perturb(monkeypatch, MlaPreprocessFusion, output=output)
+    reasons = mla_reasons(DeepSeekMLA(MLA).to(torch.bfloat16).eval())
+    assert reasons and all(DIFFERS in r and r.endswith("(valid inputs)") for r in reasons)
+
+
+# -- how inputs are drawn -------------------------------------------------------------------------
+def run_pass(fn, args, replacement, target):
+    """Fuse fn's ``target`` node into ``replacement(b, *node.args)`` with a one-off pass."""
+    class OneOff(fusion.FusionPass):
+        name = family = "one_off"
+        anchor_targets = (target,)
+
+        def match(self, ctx, anchor):
+            return fusion.Rewrite(anchor, [], "test", lambda b: replacement(b, *anchor.args))
+
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    report = fusion.PassManager([OneOff()])(gm)
+    return report, gm
+
+
+def test_index_inputs_are_drawn_in_range_and_just_out_of_range():
+    def fn(cache, slots, rows):
+        return cache.index_put((slots,), rows)
+
+    args = torch.randn(10, 4), torch.tensor([1, 2, 3]), torch.randn(3, 4)
+    same = lambda b, cache, idx, rows: b.call(aten.index_put.default, cache, idx, rows)  # noqa: E731
+    report, _ = run_pass(fn, args, same, aten.index_put.default)
+    assert len(report.matches) == 1
+    wrapped = lambda b, cache, idx, rows: b.call(  # noqa: E731
+        aten.index_put.default, cache, [b.call(aten.remainder.Scalar, idx[0], 10)], rows)
+    report, _ = run_pass(fn, args, wrapped, aten.index_put.default)
+    assert report.matches == []
+    assert "too large: 10 into 10 rows" in report.near_misses[0].reason
+
+
+def test_a_read_computed_from_another_read_is_computed_not_drawn():
+    """The replacement reads x where the subgraph reads x.unsqueeze(0): one random x serves both."""
+    def fn(x):
+        return x.unsqueeze(0) * 2
+
+    def replacement(b, unsqueezed, two):
+        return b.call(aten.unsqueeze.default, b.call(aten.mul.Tensor, unsqueezed.args[0], two), 0)
+
+    report, gm = run_pass(fn, (torch.randn(3, 4),), replacement, aten.mul.Tensor)
+    assert len(report.matches) == 1, report.summary()
+
+
+def test_large_inputs_run_on_shrunk_shapes(monkeypatch):
+    shrinks = []
+    compare = validate._Validation._compare
+    monkeypatch.setattr(validate._Validation, "_compare", lambda self, shrink: shrinks.append(shrink)
+                        or compare(self, shrink))
+    monkeypatch.setattr(validate, "FULL_SIZE_ELEMENTS", 2000)
+    args = rope_args(seq=64)  # x [2, 64, 3, 16]: 6144 elements
+    out, reports = compile_fused(rope, *args)
+    assert fused_ops(reports) == ["rotary_mul"]
+    assert shrinks and 64 in shrinks[0] and shrinks[0][64] < 64
+    perturb(monkeypatch, RotaryMulFusion)
+    out, reports = compile_fused(rope, *args)
+    assert fused_ops(reports) == [] and near_miss_reasons(reports)[0].startswith(DIFFERS)
+
+
+def test_beyond_the_element_budget_a_rewrite_is_accepted_unvalidated(monkeypatch):
+    monkeypatch.setattr(validate, "FULL_SIZE_ELEMENTS", 10)
+    monkeypatch.setattr(validate, "MAX_ELEMENTS", 100)
+    monkeypatch.setattr(validate, "SHRINK_FROM", 10 ** 6)  # nothing to shrink
+    out, reports = compile_fused(rope, *rope_args())
+    assert fused_ops(reports) == ["rotary_mul"]
+    assert tally() == {"skipped_too_large": 1}
+
+
+def test_symbolic_shapes_are_validated_at_their_hints():
+    args = rope_args(seq=6)
+    for t in args:
+        torch._dynamo.mark_dynamic(t, 1)
+    compiled = torch.compile(rope, backend="npu_fuse")
+    with nf.config.patch(fallback="aot_eager"):
+        out = compiled(*args)
+        longer = rope_args(seq=9)
+        assert_close(compiled(*longer), rope(*longer))
+    assert fused_ops(nf.get_reports()) == ["rotary_mul"]  # one graph for both lengths: a symbolic one
+    assert tally() == {"equal": 1}
+    assert_close(out, rope(*args))
+
+
+def test_an_internal_error_of_the_validator_refuses_the_rewrite_never_the_compile(monkeypatch):
+    def broken(self):
+        raise RuntimeError("validator bug")
+
+    monkeypatch.setattr(validate._Validation, "run", broken)
+    args = rope_args()
+    out, reports = compile_fused(rope, *args, strict=True)
+    assert fused_ops(reports) == []
+    assert near_miss_reasons(reports) == ["replacement could not be validated: RuntimeError: validator bug"]
+    assert_close(out, rope(*args))
+
+
+
+def test_a_rewrite_identical_to_one_shown_equal_is_not_evaluated_again(monkeypatch):
+    runs = []
+    run = validate._Validation.run
+    monkeypatch.setattr(validate._Validation, "run", lambda self: runs.append(1) or run(self))
+    q, cos, sin = rope_args()
+    k, k_gqa = torch.randn_like(q), torch.randn(2, 5, 1, 16)
+    out, reports = compile_fused(lambda q, k, g: (rope(q, cos, sin), rope(k, cos, sin), rope(g, cos, sin)), q, k, k_gqa)
+    assert fused_ops(reports) == ["rotary_mul"] * 3
+    assert len(runs) == 2  # q and k are the same rewrite on inputs of one layout; the GQA k is not
+    assert tally() == {"equal": 3, "equal_by_identical_rewrite": 1}
+
+
+def test_a_difference_on_shrunk_shapes_that_cannot_be_confirmed_still_refuses(monkeypatch):
+    monkeypatch.setattr(validate, "FULL_SIZE_ELEMENTS", 2000)
+    monkeypatch.setattr(validate, "MAX_ELEMENTS", 4000)
+    perturb(monkeypatch, RotaryMulFusion)
+    out, reports = compile_fused(rope, *rope_args(seq=64))  # 6144 + 2048 input elements
+    assert fused_ops(reports) == []
+    assert near_miss_reasons(reports)[0].startswith(DIFFERS) and near_miss_reasons(reports)[0].endswith(
+        "(on shrunk shapes)")
+
+
+# -- quantized subgraphs: isolated rounding flips, never a miscompile ----------------------------
+def quantize_then_scale(x, w):
+    return torch.round(x * 20).clamp(-128, 127).to(torch.int8).float() @ w
+
+
+def test_a_quantizing_subgraph_is_known_by_its_rounding_to_an_integer_type():
+    gm = make_fx(quantize_then_scale)(torch.randn(4, 8), torch.randn(8, 3))
+    assert [n.name for n in gm.graph.nodes if validate._rounds_to_integer(n)] == ["round_1", "_to_copy"]
+    gm = make_fx(lambda x: (x * 20).float().sum())(torch.randn(4, 8))
+    assert not any(validate._rounds_to_integer(n) for n in gm.graph.nodes)
+
+
+def test_a_quantized_output_may_differ_in_isolated_elements_but_not_more():
+    expected = torch.randn(4000)
+    flipped = expected.clone()
+    flipped[7] += 3  # one int8 step of a rounding tie, times a large scale
+    assert validate._difference(expected, flipped, validate.QUANTIZED_ISOLATED_FRACTION) is None
+    assert "differs at 1 of 4000" in validate._difference(expected, flipped)
+    shifted = expected.clone()
+    shifted[:100] += 3  # a wrong slice: everywhere it acts
+    assert "differs at 100 of 4000" in validate._difference(expected, shifted, validate.QUANTIZED_ISOLATED_FRACTION)
