@@ -249,7 +249,7 @@ class _Journal:
         self.graph = graph
         self.inserted: list[Node] = []
         self.replaced: dict[Node, Node] = {}
-        self.redirected: dict[Node, list[Node]] = {}  # old -> the users moved to its replacement
+        self.saved_args: dict[Node, dict] = {}  # old -> {user: its args and kwargs before the rewrite}
 
     def apply(self, rewrite: Rewrite, fake_mode: Any) -> list[Node]:
         """Build the replacement and redirect the subgraph's outputs to it; returns the new nodes."""
@@ -258,9 +258,10 @@ class _Journal:
         with self.graph.inserting_before(rewrite.anchor):
             built = rewrite.build(builder)
         outputs = built if isinstance(built, dict) else {rewrite.anchor: built}
+        saved = {user: (user.args, user.kwargs) for old in outputs for user in old.users}
         for old, new in outputs.items():
             new.meta.setdefault("stack_trace", old.meta.get("stack_trace"))
-            self.redirected[old] = list(old.users)
+            self.saved_args[old] = saved
             old.replace_all_uses_with(new)
             self.replaced[old] = new
         return self.inserted[first:]
@@ -274,9 +275,9 @@ class _Journal:
 
     def rollback(self, to: tuple[int, int] = (0, 0)) -> None:
         inserted, replaced = to
-        for old, new in reversed(list(self.replaced.items())[replaced:]):
-            for user in self.redirected.pop(old):  # only old's users: outputs may share one replacement
-                user.replace_input_with(new, old)
+        for old in reversed(list(self.replaced)[replaced:]):
+            for user, (args, kwargs) in self.saved_args.pop(old).items():  # exact, though outputs
+                user.args, user.kwargs = args, kwargs  # may share one replacement, users read several
             del self.replaced[old]
         for node in reversed(self.inserted[inserted:]):
             if node.graph is self.graph and not node.users:

@@ -135,3 +135,35 @@ def test_negative_slice_bounds_are_read_as_python_reads_them():
     out, reports = compile_fused(fn, *args)
     assert fused_ops(reports) == ["rotary_mul"]
     assert_close(out, fn(*args))
+
+
+def test_a_refused_rewrite_whose_outputs_share_one_replacement_restores_every_user():
+    """Two outputs taken over by one node: undoing it gives each output back its own users."""
+    def fn(x):
+        a, b = x * 2, x * 3
+        return a + 1, b - 1, a * b
+
+    class Shared(fusion.FusionPass):
+        name = family = "shared_outputs"
+        op = "test"
+        anchor_targets = (aten.mul.Tensor,)
+
+        def match(self, ctx, anchor):
+            if anchor.args[1] != 3:
+                return None
+            a = anchor.prev
+            def build(b):
+                six = b.call(aten.mul.Tensor, a.args[0], 6)
+                return {a: six, anchor: six}
+
+            return fusion.Rewrite(anchor, [a], self.op, build)
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(4))
+    before = str(gm.graph)
+    with nf.config.patch(translation_validation=True):  # 6x is neither 2x nor 3x: refused
+        report = fusion.PassManager([Shared()])(gm)
+    assert report.matches == [] and "differs" in report.near_misses[0].reason
+    assert str(gm.graph) == before
+    x = torch.randn(4)
+    for got, expected in zip(gm(x), fn(x)):
+        torch.testing.assert_close(got, expected)
