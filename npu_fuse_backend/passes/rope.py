@@ -37,7 +37,7 @@ from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, r
 from ..graph_utils import VIEWS, aten, broadcasts_to, describe, is_call, rank, shape_eq, size_eq, static_int, \
     users_outside, val
 from ..lowering.ops.rotary_mul import FLOAT_DTYPES
-from ..matchers import Rotation, match_rope_site, match_rotation_transpose
+from ..matchers import Rotation, match_rope_grad_site, match_rope_site
 
 
 @register_fusion
@@ -55,25 +55,10 @@ class RotaryMulFusion(FusionPass):
         site = match_rope_site(anchor)
         if site is not None:
             return self._rewrite(anchor, site.rotation, x=site.x, cos=site.cos, sin=site.sin, extra=site.nodes)
-        if anchor.kwargs.get("alpha", 1) != 1 or len(anchor.args) != 2:
-            return None
-        return self._match_backward(anchor)
-
-    def _match_backward(self, add: Node) -> Optional[Rewrite]:
-        """dx = g * cos + R^T(g * sin), in a backward graph."""
-        for cos_term, rt_node in (add.args, add.args[::-1]):
-            rt = match_rotation_transpose(rt_node)
-            if rt is None:
-                continue
-            if not (is_call(rt.source, aten.mul.Tensor) and is_call(cos_term, aten.mul.Tensor)):
-                return None
-            sin_term = rt.source
-            for i, j in ((0, 0), (0, 1), (1, 0), (1, 1)):
-                if sin_term.args[i] is cos_term.args[j]:
-                    grad, sin, cos = sin_term.args[i], sin_term.args[1 - i], cos_term.args[1 - j]
-                    nodes = list(dict.fromkeys([cos_term, rt_node, sin_term, *rt.nodes]))
-                    return self._rewrite(add, rt, x=grad, cos=cos, sin=sin, extra=nodes, backward=True)
-            raise NotFused("the gradient multiplied by cos is not the one multiplied by sin")
+        site = match_rope_grad_site(anchor)  # dx = g * cos + R^T(g * sin), in a backward graph
+        if site is not None:
+            return self._rewrite(anchor, site.rotation, x=site.x, cos=site.cos, sin=site.sin, extra=site.nodes,
+                                 backward=True)
         return None
 
     def _rewrite(self, anchor: Node, rot: Rotation, x: Node, cos: Node, sin: Node,
