@@ -145,6 +145,19 @@ class GraphBuilder:
             node = self.call(torch.ops.aten.unsqueeze.default, node, 0)
         return node
 
+    def lifted(self, node: Node, rank: int, dims: tuple) -> Node:
+        """node, broadcast right-aligned against a rank-``rank`` tensor, given that tensor's rank
+        and then unit dims at ``dims`` (as a fused op that takes 4-D needs x lifted)."""
+        node = self.unsqueeze_to(node, rank)
+        for dim in dims:
+            node = self.call(torch.ops.aten.unsqueeze.default, node, dim)
+        return node
+
+    def cast(self, node: Node, dtype: torch.dtype) -> Node:
+        """node in dtype (node itself when it already is)."""
+        return node if node.meta["val"].dtype == dtype else self.call(torch.ops.aten._to_copy.default, node,
+                                                                         dtype=dtype)
+
 
 @dataclasses.dataclass
 class Rewrite:

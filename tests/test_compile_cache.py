@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from torch._dynamo.utils import counters
 
 import npu_fuse_backend as nf

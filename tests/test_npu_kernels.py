@@ -22,10 +22,10 @@ from torchair_offline import TORCH_NPU_DIR
 SCHEMAS = TORCH_NPU_DIR / "torch_npu" / "csrc" / "aten" / "npu_native_functions_by_codegen.yaml"
 pytestmark = pytest.mark.skipif(not SCHEMAS.is_file(), reason="torch_npu not fetched: run `make test`")
 
-npu_fuse = torch.ops.npu_fuse
-WITH_KERNELS = {npu_fuse.rotary_mul.default, npu_fuse.rotary_mul_backward.default, npu_fuse.softmax_grad_ext.default,
-                npu_fuse.inplace_partial_rotary_mul.default, npu_fuse.inplace_partial_rotary_mul_backward.default,
-                npu_fuse.interleave_rope.default, npu_fuse.mla_preprocess.default}  # mla_preprocess's: tests/test_mla_preprocess_op.py
+fused = torch.ops.npu_fuse
+WITH_KERNELS = {fused.rotary_mul.default, fused.rotary_mul_backward.default, fused.softmax_grad_ext.default,
+                fused.inplace_partial_rotary_mul.default, fused.inplace_partial_rotary_mul_backward.default,
+                fused.interleave_rope.default, fused.mla_preprocess.default}  # mla_preprocess's: tests/test_mla_preprocess_op.py
 
 
 def torch_npu_schemas() -> dict:
@@ -131,8 +131,8 @@ def tables(shape=(2, 5, 3, 8), r_shape=(1, 5, 1, 8)):
 @pytest.mark.parametrize("mode", ["half", "interleave"])
 def test_rotary_mul_kernel(as_npu, mode):
     x, r1, r2 = tables()
-    got = kernel(as_npu, npu_fuse.rotary_mul.default)(x, r1, r2, mode)
-    assert_close(got, npu_fuse.rotary_mul(x, r1, r2, mode))
+    got = kernel(as_npu, fused.rotary_mul.default)(x, r1, r2, mode)
+    assert_close(got, fused.rotary_mul(x, r1, r2, mode))
 
 
 @pytest.mark.parametrize("mode", ["half", "interleave"])
@@ -141,8 +141,8 @@ def test_rotary_mul_backward_kernel(as_npu, mode, with_x):
     x, r1, r2 = tables()
     g = torch.randn_like(x)
     need = with_x
-    got = kernel(as_npu, npu_fuse.rotary_mul_backward.default)(g, x if with_x else None, r1, r2, mode, need)
-    expected = npu_fuse.rotary_mul_backward(g, x if with_x else None, r1, r2, mode, need)
+    got = kernel(as_npu, fused.rotary_mul_backward.default)(g, x if with_x else None, r1, r2, mode, need)
+    expected = fused.rotary_mul_backward(g, x if with_x else None, r1, r2, mode, need)
     for a, b in zip(got, expected):
         assert_close(a, b)
 
@@ -150,13 +150,13 @@ def test_rotary_mul_backward_kernel(as_npu, mode, with_x):
 def test_softmax_grad_ext_kernel(as_npu):
     g, p = torch.randn(2, 4, 8), torch.softmax(torch.randn(2, 4, 8), -1)
     for x2 in (torch.full((1,), 0.125), torch.randn(2, 4, 8)):
-        got = kernel(as_npu, npu_fuse.softmax_grad_ext.default)(g, p, x2, [-1], True)
-        assert_close(got, npu_fuse.softmax_grad_ext(g, p, x2, [-1], True))
+        got = kernel(as_npu, fused.softmax_grad_ext.default)(g, p, x2, [-1], True)
+        assert_close(got, fused.softmax_grad_ext(g, p, x2, [-1], True))
 
 
 @pytest.mark.parametrize("backward", [False, True])
 def test_inplace_partial_rotary_mul_kernels(as_npu, backward):
-    op = npu_fuse.inplace_partial_rotary_mul_backward if backward else npu_fuse.inplace_partial_rotary_mul
+    op = fused.inplace_partial_rotary_mul_backward if backward else fused.inplace_partial_rotary_mul
     x, r1, r2 = tables(shape=(2, 5, 3, 16), r_shape=(2, 5, 1, 8))
     got, expected = x.clone(), x.clone()
     assert kernel(as_npu, op.default)(got, r1, r2, rotary_mode="interleave", partial_slice=[4, 12]) is None
@@ -168,9 +168,9 @@ def test_inplace_partial_rotary_mul_kernels(as_npu, backward):
 def test_kernels_check_their_arguments_like_the_op(as_npu):
     x, r1, r2 = tables()
     with pytest.raises(ValueError, match="rotary_mode"):
-        kernel(as_npu, npu_fuse.rotary_mul.default)(x, r1, r2, "quarter")
+        kernel(as_npu, fused.rotary_mul.default)(x, r1, r2, "quarter")
     with pytest.raises(ValueError, match="partial_slice"):
-        kernel(as_npu, npu_fuse.inplace_partial_rotary_mul.default)(x, r1, r2, partial_slice=[0, 9, 1])
+        kernel(as_npu, fused.inplace_partial_rotary_mul.default)(x, r1, r2, partial_slice=[0, 9, 1])
 
 
 @pytest.mark.parametrize("soc", ["Ascend910B", "generic"])
@@ -186,6 +186,6 @@ def test_interleave_rope_kernel(as_npu, npu_namespace, soc, monkeypatch):
     x = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
     cos, sin = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16), torch.randn(1, 1, 8, 64, dtype=torch.bfloat16)
     with nf.config.patch(soc=soc):
-        got = kernel(as_npu, npu_fuse.interleave_rope.default)(x, cos, sin)
+        got = kernel(as_npu, fused.interleave_rope.default)(x, cos, sin)
     assert len(calls) == (1 if soc == "Ascend910B" else 0)
-    assert_close(got, npu_fuse.interleave_rope(x, cos, sin), torch.bfloat16)
+    assert_close(got, fused.interleave_rope(x, cos, sin), torch.bfloat16)

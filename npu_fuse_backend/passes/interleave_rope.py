@@ -91,8 +91,8 @@ class InterleaveRopeFusion(FusionPass):
         x_rank, out_dtype = rank(x), val(anchor).dtype
 
         def build(b: GraphBuilder) -> Node:
-            xx = _lift(b, _cast(b, x, out_dtype), x_rank)
-            cos, sin = (_lift(b, _cast(b, t(b), out_dtype), x_rank) for t in tables)
+            xx = b.lifted(b.cast(x, out_dtype), x_rank, LIFT[x_rank])
+            cos, sin = (b.lifted(b.cast(t(b), out_dtype), x_rank, LIFT[x_rank]) for t in tables)
             op = torch.ops.npu_fuse.interleave_rope_backward if backward else torch.ops.npu_fuse.interleave_rope
             out = b.call(op.default, xx, cos, sin)
             for dim in reversed(LIFT[x_rank]):
@@ -160,16 +160,3 @@ def _quiet(matcher, node):
 
 def _full_width(found: PairsToHalfRope) -> tuple:
     return _Table(*found.cos), _Table(*found.sin)
-
-
-def _cast(b: GraphBuilder, node: Node, dtype: torch.dtype) -> Node:
-    return node if val(node).dtype == dtype else b.call(aten._to_copy.default, node, dtype=dtype)
-
-
-def _lift(b: GraphBuilder, node: Node, x_rank: int) -> Node:
-    """x, or a table broadcast against x (right-aligned), lifted as LIFT lifts x."""
-    while rank(node) < x_rank:
-        node = b.call(aten.unsqueeze.default, node, 0)
-    for dim in LIFT[x_rank]:
-        node = b.call(aten.unsqueeze.default, node, dim)
-    return node

@@ -69,7 +69,7 @@ class RotaryMulFusion(FusionPass):
         x_rank = rank(x)
 
         def build(b: GraphBuilder) -> Node:
-            xx, cc, ss = (_lift(b, _cast(b, t, out_dtype), x_rank) for t in (x, cos, sin))
+            xx, cc, ss = (b.lifted(b.cast(t, out_dtype), x_rank, LIFT[x_rank]) for t in (x, cos, sin))
             if backward:
                 grads = b.call(torch.ops.npu_fuse.rotary_mul_backward.default, xx, None, cc, ss, rot.mode, False)
                 out = b.call(operator.getitem, grads, 0)
@@ -169,23 +169,8 @@ class RotaryMulFusion(FusionPass):
         return Rewrite(anchor, nodes, self.op, build, detail="mode=interleave, complex form")
 
 
-def _cast(b: GraphBuilder, node: Node, dtype: torch.dtype) -> Node:
-    if val(node).dtype == dtype:
-        return node
-    return b.call(aten._to_copy.default, node, dtype=dtype)
-
-
 # Unsqueezes that take x to BSND: [T, N, D] -> [1, T, N, D]; [T, D] -> [1, T, 1, D].
 LIFT = {4: (), 3: (0,), 2: (0, 2)}
-
-
-def _lift(b: GraphBuilder, node: Node, x_rank: int) -> Node:
-    """x, or a table broadcast against x (right-aligned), lifted as LIFT lifts x."""
-    while rank(node) < x_rank:
-        node = b.call(aten.unsqueeze.default, node, 0)
-    for dim in LIFT[x_rank]:
-        node = b.call(aten.unsqueeze.default, node, dim)
-    return node
 
 
 def _sizes(b: GraphBuilder, node: Node, keep: int) -> list:
