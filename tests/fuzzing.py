@@ -261,8 +261,8 @@ def softmax_program(rng: random.Random, g: torch.Generator, lookalike: bool) -> 
             dtype, scale_kind = torch.float16, "python"
         if mutation == "scale over the last dim only":
             scale_kind = "last dim"
-        if mutation == "sum over dim 0" and rank == 1:  # dim 0 of a 1-D grad is its last dim
-            shape = [2, *shape]
+        if mutation in ("sum over dim 0", "scale over the last dim only") and rank == 1:
+            shape = [2, *shape]  # of a 1-D grad, dim 0 is its last dim and a last-dim scale is its shape
     value = 1e6 if mutation == "fp16 scale 1e6" else rng.choice([0.125, 0.5, 3.0])
 
     def make_inputs():
