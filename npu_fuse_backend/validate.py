@@ -61,9 +61,9 @@ BRIDGE_HOPS = 6  # how far back a shared input is traced to the values it is com
 
 # Tolerance per output element, in units of the output dtype's eps: |a - b| <= rtol*|b| + atol*scale(b),
 # scale: see _value_scale. The inputs are uniform in [-1, 1], so intermediate terms stay near the
-# outputs' scale and a rounding
-# difference (eager rounds each op, a fused kernel once) stays within a few eps of it; a miscompile
-# (a wrong element, sign, slice, broadcast or write) is off by the values themselves.
+# outputs' scale and a rounding difference (eager rounds each op, a fused kernel once) stays within a
+# few eps of it; a miscompile (a wrong element, sign, slice, broadcast or write) is off by the values
+# themselves.
 TOLERANCE_EPS = {torch.float16: (4, 8), torch.bfloat16: (4, 8), torch.float32: (16, 16), torch.float64: (16, 16)}
 
 # ops through which an integer input keeps being "the same indices"
