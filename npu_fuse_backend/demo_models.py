@@ -313,10 +313,9 @@ class DeepSeekMLA(nn.Module):
         self.w_uv = nn.Parameter(torch.randn(cfg.heads, cfg.kv_lora, cfg.v_head) * 0.05)
         self.o_proj = nn.Linear(cfg.heads * cfg.v_head, cfg.hidden, bias=False)
 
-    def forward(self, x, cos, sin, slot_mapping, kv_cache, context_slots):
-        """x [T, hidden] (one token per sequence), cos/sin [T, rope], slot_mapping [T],
-        kv_cache [blocks, block_size, 1, kv_lora + rope], context_slots [T, L]: the cache
-        slots each token attends to (its sequence so far, itself included)."""
+    def projections(self, x):
+        """The prologue up to its norms and RoPE: q_nope, q_pe [T, N, *], and kv_c (before its
+        RMSNorm), k_pe [T, *] (variants of the module reuse it)."""
         c = self.cfg
         if self.quant:
             x = self.input_layernorm(x)
@@ -324,6 +323,14 @@ class DeepSeekMLA(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(q_c)).view(-1, c.heads, c.nope + c.rope)
         q_nope, q_pe = q.split([c.nope, c.rope], dim=-1)
         kv_c, k_pe = kv.split([c.kv_lora, c.rope], dim=-1)
+        return q_nope, q_pe, kv_c, k_pe
+
+    def forward(self, x, cos, sin, slot_mapping, kv_cache, context_slots):
+        """x [T, hidden] (one token per sequence), cos/sin [T, rope], slot_mapping [T],
+        kv_cache [blocks, block_size, 1, kv_lora + rope], context_slots [T, L]: the cache
+        slots each token attends to (its sequence so far, itself included)."""
+        c = self.cfg
+        q_nope, q_pe, kv_c, k_pe = self.projections(x)
         kv_c = self.kv_a_layernorm(kv_c)
         q_pe = rope_tokens(q_pe, cos, sin, c.rope_style)
         k_pe = rope_tokens(k_pe, cos, sin, c.rope_style)

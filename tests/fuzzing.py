@@ -322,12 +322,7 @@ def mla_program(rng: random.Random, g: torch.Generator, lookalike: bool) -> Prog
     class Variant(DeepSeekMLA):
         def forward(self, x, cos, sin, slot_mapping, kv_cache, context_slots):
             c = self.cfg
-            if self.quant:
-                x = self.input_layernorm(x)
-            q_c, kv = self.fused_qkv_a_proj(x).split([c.q_lora, c.kv_lora + c.rope], dim=-1)
-            q = self.q_b_proj(self.q_a_layernorm(q_c)).view(-1, c.heads, c.nope + c.rope)
-            q_nope, q_pe = q.split([c.nope, c.rope], dim=-1)
-            kv_c, k_pe = kv.split([c.kv_lora, c.rope], dim=-1)
+            q_nope, q_pe, kv_c, k_pe = self.projections(x)
             if mutation == "RMSNorm over dim 0":
                 xf = kv_c.float()
                 kv_c = self.kv_a_layernorm.weight * (xf * torch.rsqrt(xf.pow(2).mean(0, keepdim=True) + c.eps)

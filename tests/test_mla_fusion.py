@@ -121,12 +121,8 @@ def test_hidden_size_outside_the_op_range_is_a_near_miss():
 
 
 def projections_and_rope(m, x, cos, sin):
-    """Stages 2-7 of m's prologue, written out for the variants below."""
-    c = m.cfg
-    q_c, kv = m.fused_qkv_a_proj(x).split([c.q_lora, c.kv_lora + c.rope], dim=-1)
-    q = m.q_b_proj(m.q_a_layernorm(q_c)).view(-1, c.heads, c.nope + c.rope)
-    q_nope, q_pe = q.split([c.nope, c.rope], dim=-1)
-    kv_c, k_pe = kv.split([c.kv_lora, c.rope], dim=-1)
+    """Stages 2-7 of m's prologue, with half RoPE written out, for the variants below."""
+    q_nope, q_pe, kv_c, k_pe = m.projections(x)
     half = lambda t: torch.cat([-t[..., 32:], t[..., :32]], -1)  # noqa: E731
     q_pe = q_pe * cos.unsqueeze(1) + half(q_pe) * sin.unsqueeze(1)
     return q_nope, q_pe, kv_c, k_pe * cos + half(k_pe) * sin
