@@ -1,68 +1,45 @@
 """Partial RoPE -> ``npu_fuse::inplace_partial_rotary_mul`` (spec section 2, seed 000).
 
-Pattern: RoPE on a last-dim slice ``x[..., s:e]`` of x (a :class:`RopeSite` of the
-full-RoPE pass, on the slice), with the result
+Pattern: what :mod:`~npu_fuse_backend.rotation` recognises as x with the interleave RoPE of a
+last-dim slice ``x[..., s:e]`` and its other lanes copied, however it is written:
 
-* concatenated back with the untouched slices: ``cat([x[..., :s], rope, x[..., e:]], -1)``
-  (GPT-J ``rotary_dim``, GPT-NeoX ``rotary_pct``, Phi, StableLM, GLM); or
-* written back in place, ``x[..., s:e] = rope`` / ``copy_``, which functionalization
-  turns into ``slice_scatter(x, rope, -1, s, e)`` (plus a final ``copy_`` when x is a
-  graph input: that copy stays, so the graph mutates exactly what the user's did).
+* concatenated back with the untouched slices, ``cat([x[..., :s], rope, x[..., e:]], -1)``
+  (GPT-J ``rotary_dim``, GLM), in any split of the kept lanes; or
+* written back in place, ``x[..., s:e] = rope`` / ``copy_``, which functionalization turns into
+  ``slice_scatter(x, rope, -1, s, e)`` (plus a final ``copy_`` when x is a graph input: that copy
+  stays, so the graph mutates exactly what the user's did).
 
-Replacement: ``auto_functionalized_v2(inplace_partial_rotary_mul, x, ...)`` and its
-new x, the form AOTAutograd itself gives a mutating op (torchair converts it; inductor
-gets the op's functional decomposition).
+Replacement: ``auto_functionalized_v2(inplace_partial_rotary_mul, x, ...)`` and its new x, the
+form AOTAutograd itself gives a mutating op (torchair converts it; inductor gets the op's
+functional decomposition).
 
-Decision: only interleave partial RoPE becomes the in-place op, since the NPU op has
-only that mode. Half-mode partial RoPE (GPT-NeoX) is left to the full-RoPE pass,
-which fuses the rotation of the slice into ``rotary_mul`` on the slice and keeps the
-cat: the rotation is the costly part and rotary_mul takes any layout.
+Decision: only interleave partial RoPE in the forward becomes the in-place op, since the NPU op has
+only that mode. Half-mode partial RoPE (GPT-NeoX) and the backward of either are left to the
+full-RoPE pass, which rotates the slice with rotary_mul and copies the other lanes: the rotation is
+the costly part and rotary_mul takes any layout.
 
-Constraints (near-misses): x 4-D, static head dim D <= 1024 and even, even slice
-length, one float dtype, cos/sin broadcastable to ``x[..., s:e]`` with last dim
-``e - s``, no intermediate used outside. The cos/sin layouts each SoC accepts are the op's
-``@soc_limits`` (lowering/ops/inplace_partial_rotary_mul.py), checked on every rewrite.
+Constraints: x 4-D (a 3-D ``[T, N, D]`` or 2-D ``[T, D]`` x is lifted), static head dim D <= 1024
+and even, even slice length, one float dtype for x, cos, sin and the result (the op works in place, in
+x's dtype), cos/sin broadcastable to ``x[..., s:e]``, no intermediate used outside. A subgraph that
+breaks one is left to the full-RoPE pass, which fuses it or says why. The cos/sin layouts each SoC
+accepts are the op's ``@soc_limits`` (lowering/ops/inplace_partial_rotary_mul.py), checked on every
+rewrite (a near-miss of this pass; the full-RoPE pass then rotates the slice with rotary_mul).
 """
 
 import operator
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 from torch.fx import Node
 
+from .. import rotation
 from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
-from ..graph_utils import aten, broadcasts_to, describe, is_call, norm_dim, rank, shape_eq, size_eq, \
-    slice_scatter_args, static_int, users_outside, val
+from ..graph_utils import aten, broadcasts_to, describe, size_eq, static_int, users_outside, val
 from ..lowering.ops.inplace_partial_rotary_mul import FLOAT_DTYPES, MAX_HEAD_DIM
-from ..matchers import RopeSite, last_dim_cat, last_dim_piece, match_rope_site
 
 
-def size_eq_int(a, b) -> bool:
-    return static_int(a) is not None and static_int(a) == static_int(b)
-
-
-class SliceRope(NamedTuple):
-    """RoPE of ``x[..., start:end]``: the site and the slice nodes it reads x through."""
-
-    site: RopeSite
-    x: Node
-    start: int
-    end: int
-    slice_nodes: list
-
-
-def rope_on_slice(node) -> Optional[SliceRope]:
-    """Interleave RoPE of a step-1 last-dim slice of some x, rooted at node."""
-    try:
-        site = match_rope_site(node) if isinstance(node, Node) else None
-    except NotFused:  # the full-RoPE pass reports this site's near-miss
-        return None
-    if site is None or site.rotation.mode != "interleave":
-        return None
-    piece = last_dim_piece(site.x)
-    if piece is None or piece.step != 1 or len(piece.nodes) != 1:
-        return None
-    return SliceRope(site, piece.source, piece.start, piece.end, [site.x])
+# Unsqueezes that take x to BSND: [T, N, D] -> [1, T, N, D]; [T, D] -> [1, T, 1, D].
+LIFT = {4: (), 3: (0,), 2: (0, 2)}
 
 
 @register_fusion
@@ -72,103 +49,65 @@ class PartialRotaryFusion(FusionPass):
     name = "partial_rope"
     family = "partial_rope"
     op = "inplace_partial_rotary_mul"
-    anchor_targets = (aten.cat.default, aten.slice_scatter.default)
+    role = "partial"
     runs_before = ("rope",)  # the full-RoPE pass would otherwise take the slice's rotation alone
 
+    def anchors(self, ctx: PassContext):
+        return [anchor for anchor, _ in rotation.analysis(ctx.graph, ctx.kind).decisions(self.role)]
+
     def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
-        if anchor.target == aten.cat.default:
-            return self._match_cat(ctx, anchor)
-        return self._match_scatter(ctx, anchor)
-
-    def _match_cat(self, ctx: PassContext, cat: Node) -> Optional[Rewrite]:
-        tensors = last_dim_cat(cat)
-        if tensors is None or len(tensors) < 2:
-            return None
-        for i, piece in enumerate(tensors):
-            found = rope_on_slice(piece)
-            if found is None:
-                continue
-            covered, extra = 0, [piece, *found.slice_nodes]
-            for j, other in enumerate(tensors):
-                if j == i:
-                    lo, hi = found.start, found.end
-                else:
-                    kept = last_dim_piece(other)
-                    if kept is None or kept.source is not found.x or kept.step != 1:
-                        return None
-                    lo, hi = kept.start, kept.end
-                    extra += kept.nodes
-                if lo != covered:
-                    return None
-                covered = hi
-            if covered != static_int(val(found.x).shape[-1]):
-                return None
-            return self._rewrite(ctx, cat, found, found.x, [*found.site.nodes, *extra])
-        return None
-
-    def _match_scatter(self, ctx: PassContext, scatter: Node) -> Optional[Rewrite]:
-        base, src = scatter.args[:2]
-        written = [src]
-        if is_copy_of_same_layout(src):
-            # x[..., s:e] = rope is functionalized as slice_scatter(x, copy(x[..., s:e], rope))
-            written, src = [src, src.args[0]], src.args[1]
-        found = rope_on_slice(src)
-        if found is None:
-            return None
-        dim, s_start, s_end, step = slice_scatter_args(scatter)
-        head_dim = static_int(val(base).shape[-1])
-        if (norm_dim(dim, rank(base)) != rank(base) - 1 or static_int(step) != 1 or
-                static_int(s_start) != found.start or min(static_int(s_end) or -1, head_dim or 0) != found.end):
-            return None
-        if found.x is not base:
-            raise NotFused(f"the rotated slice is read from {found.x.name} but written into {base.name}")
-        return self._rewrite(ctx, scatter, found, base, [*found.site.nodes, src, *written, *found.slice_nodes])
-
-    def _rewrite(self, ctx: PassContext, anchor: Node, found: SliceRope, x: Node, nodes: list) -> Rewrite:
-        nodes = list(dict.fromkeys(nodes))
-        self._check(ctx, anchor, found, x, nodes)
-        site, start, end = found.site, found.start, found.end
+        found = dict(rotation.analysis(ctx.graph, ctx.kind).decisions(self.role)).get(anchor)
+        if not isinstance(found, rotation.Rotation) or self._refused(found):
+            return None  # the full-RoPE pass takes (or reports) what this op cannot take
+        x, start, end = found.x, found.start, found.end
         contiguous = val(x).is_contiguous()
+        x_rank = val(x).dim()
+        lift = LIFT[x_rank]
 
         def build(b: GraphBuilder) -> Node:
             xx = x if contiguous else b.call(aten.clone.default, x, memory_format=torch.contiguous_format)
+            xx = b.lifted(xx, x_rank, lift)
+            r1, r2 = (b.lifted(t.build(b), x_rank, lift) for t in found.tables)
             mutated = b.call(torch.ops.higher_order.auto_functionalized_v2,
-                             torch.ops.npu_fuse.inplace_partial_rotary_mul.default,
-                             r1=b.unsqueeze_to(site.cos, 4), r2=b.unsqueeze_to(site.sin, 4),
+                             torch.ops.npu_fuse.inplace_partial_rotary_mul.default, r1=r1, r2=r2,
                              rotary_mode="interleave", partial_slice=[start, end], _x_base_index=0, _all_bases=[xx])
-            return b.call(operator.getitem, mutated, 1)
+            out = b.call(operator.getitem, mutated, 1)
+            for dim in reversed(lift):
+                out = b.call(aten.squeeze.dim, out, dim)
+            return out
 
-        return Rewrite(anchor, nodes, self.op, build, detail=f"slice=[{start}, {end}]")
+        return Rewrite(anchor, found.nodes, self.op, build, detail=f"slice=[{start}, {end}]")
 
     @staticmethod
-    def _check(ctx, anchor, found: SliceRope, x, nodes) -> None:
-        site, start, end = found.site, found.start, found.end
+    def _refused(rot: rotation.Rotation) -> Optional[str]:
+        """Why the in-place op cannot take the subgraph, if it cannot."""
+        try:
+            PartialRotaryFusion._check(rot)
+        except NotFused as why:
+            return str(why)
+        return None
+
+    @staticmethod
+    def _check(rot: rotation.Rotation) -> None:
+        x, start, end, anchor = rot.x, rot.start, rot.end, rot.anchor
         xv = val(x)
-        if xv.dim() != 4:
-            raise NotFused(f"x {x.name} is {xv.dim()}-D; inplace_partial_rotary_mul takes 4-D BSND x")
+        if xv.dim() not in LIFT:
+            raise NotFused(f"x {x.name} is {xv.dim()}-D; inplace_partial_rotary_mul takes 4-D BSND x "
+                           "(3-D [T, N, D] and 2-D [T, D] are lifted)")
         head_dim = static_int(xv.shape[-1])
-        if head_dim is None:
-            raise NotFused(f"head dim of {x.name} is symbolic; the op needs a static one")
         if size_eq(xv.numel(), 0):
             raise NotFused(f"x {x.name} of shape {list(xv.shape)} is empty; the op needs every dim > 0")
         if head_dim > MAX_HEAD_DIM or head_dim % 2:
             raise NotFused(f"head dim {head_dim} must be even and <= {MAX_HEAD_DIM}")
-        if (end - start) % 2:
-            raise NotFused(f"slice [{start}:{end}] has odd length {end - start}")
-        dtypes = {val(n).dtype for n in (x, site.cos, site.sin, anchor)}
-        if len(dtypes) != 1 or not dtypes <= set(FLOAT_DTYPES):
-            raise NotFused(f"x, cos, sin and the result must share one float dtype, got {sorted(map(str, dtypes))}")
-        slice_shape = list(xv.shape[:3]) + [end - start]
-        for name, t in (("cos", site.cos), ("sin", site.sin)):
-            shape = list(val(t).shape)
-            if len(shape) > 4 or not broadcasts_to(shape, slice_shape) or not size_eq_int(shape[-1], end - start):
+        dtypes = {xv.dtype, val(anchor).dtype, *(t.dtype for t in rot.tables)}
+        if len(dtypes) != 1 or not dtypes <= set(FLOAT_DTYPES) or rot.x_rounds:
+            raise NotFused(f"x, cos, sin and the result must share one float dtype, got {sorted(map(str, dtypes))}"
+                           + (f" (x is rounded to {rot.x_rounds[-1]} first)" if rot.x_rounds else ""))
+        slice_shape = list(xv.shape[:-1]) + [end - start]
+        for name, table in zip(("cos", "sin"), rot.tables):
+            shape = table.shape()
+            if len(shape) > xv.dim() or not broadcasts_to(shape, slice_shape):
                 raise NotFused(f"{name} shape {shape} is not broadcastable to x[..., {start}:{end}] shape {slice_shape}")
-        leaked = users_outside(nodes, [anchor])
+        leaked = users_outside(rot.nodes, [anchor])
         if leaked is not None:
             raise NotFused(f"intermediate {describe(leaked)} is used outside the subgraph")
-
-
-def is_copy_of_same_layout(node) -> bool:
-    """``copy(dst, src)`` with src of dst's shape and dtype: the value is src's."""
-    return is_call(node, aten.copy.default) and shape_eq(val(node).shape, val(node.args[1]).shape) \
-        and val(node).dtype == val(node.args[1]).dtype
