@@ -197,10 +197,8 @@ def _is_pairs_view(src_shape, out_shape) -> bool:
         big, small = out_shape, src_shape
     else:
         return False
-    if not shape_eq(small[:-2], big[:-1]):
-        return False
     a, b, whole = static_int(small[-2]), static_int(small[-1]), static_int(big[-1])
-    return None not in (a, b, whole) and a * b == whole and 2 in (a, b)
+    return None not in (a, b, whole) and a * b == whole and 2 in (a, b) and shape_eq(small[:-2], big[:-1])
 
 
 def _lane_dim(node: Node, dim, ndim: int, lane_dims: int = 1) -> bool:
@@ -210,65 +208,90 @@ def _lane_dim(node: Node, dim, ndim: int, lane_dims: int = 1) -> bool:
 def lane_op(node: Node) -> Optional[bool]:
     """None: not an op the recognizer follows; True: it moves lanes (slices, cats, pair views...);
     False: it keeps them (arithmetic, casts, clones). Shape-only: the interpretation checks the rest."""
-    if node.op != "call_function":
-        return None
-    t = node.target
-    if t in (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor):
-        numbers = [a for a in node.args[:2] if not isinstance(a, Node)]
-        if t is aten.mul.Tensor:
-            return False if all(n in (1, -1) for n in numbers) else None
-        return False if all(n == 0 for n in numbers) and node.kwargs.get("alpha", 1) in (1, -1) else None
-    if t is aten.neg.default or t in SAME:
-        return False
-    if t in CASTS:
-        return False if set(node.kwargs) <= {"dtype", "layout", "device", "memory_format"} else None
-    if t is aten.copy.default:
-        return False
+    rule = _LANE_RULES.get(id(node.target)) if node.op == "call_function" else None  # (OpOverloads hash slowly)
+    return rule(node) if rule is not None else None
+
+
+def _tensor_args(node: Node) -> Optional[tuple]:
+    """(input, output) fake tensors of a one-input op, or None."""
     src = node.args[0] if node.args else None
-    if t in (aten.cat.default, aten.stack.default):
-        tensors = node.args[0]
-        if not tensors or not isinstance(tensors[0], Node) or not isinstance(val(tensors[0]), torch.Tensor):
-            return None
-        extra = 1 if t is aten.stack.default else 0
-        return True if _lane_dim(node, _arg(node, 1, "dim", 0), val(tensors[0]).dim() + extra, 1 + extra) else None
-    if t in SPLITS:
-        return True if _split_on_lanes(node) else None
-    if t is operator.getitem:
-        return True if is_call(src, *SPLITS) and _split_on_lanes(src) else None
-    if not isinstance(src, Node) or not isinstance(val(src), torch.Tensor) or not isinstance(val(node), torch.Tensor):
+    if not isinstance(src, Node):
         return None
     sv, nv = val(src), val(node)
+    return (sv, nv) if isinstance(sv, torch.Tensor) and isinstance(nv, torch.Tensor) else None
+
+
+def _rule_arith(node: Node) -> Optional[bool]:
+    numbers = [a for a in node.args[:2] if not isinstance(a, Node)]
+    if node.target is aten.mul.Tensor:
+        return False if all(n in (1, -1) for n in numbers) else None
+    return False if all(n == 0 for n in numbers) and node.kwargs.get("alpha", 1) in (1, -1) else None
+
+
+def _rule_cast(node: Node) -> Optional[bool]:
+    return False if set(node.kwargs) <= {"dtype", "layout", "device", "memory_format"} else None
+
+
+def _rule_cat(node: Node) -> Optional[bool]:
+    tensors = node.args[0]
+    if not tensors or not isinstance(tensors[0], Node) or not isinstance(val(tensors[0]), torch.Tensor):
+        return None
+    extra = 1 if node.target is aten.stack.default else 0
+    return True if _lane_dim(node, _arg(node, 1, "dim", 0), val(tensors[0]).dim() + extra, 1 + extra) else None
+
+
+def _rule_getitem(node: Node) -> Optional[bool]:
+    src = node.args[0]
+    return True if is_call(src, *SPLITS) and _split_on_lanes(src) else None
+
+
+def _shaped(check):
+    """A rule that needs the input and output tensors: check(node, input, output)."""
+    def rule(node: Node) -> Optional[bool]:
+        tensors = _tensor_args(node)
+        return (True if check(node, *tensors) else None) if tensors is not None else None
+    return rule
+
+
+def _moves_last_two(node: Node, sv, nv) -> bool:
     nd = sv.dim()
-    if t in VIEWS:
-        return True if _is_pairs_view(sv.shape, nv.shape) else None
-    if t is aten.slice.Tensor:
-        return True if _lane_dim(node, slice_args(node)[0], nd) else None
-    if t is aten.select.int:
-        return True if _lane_dim(node, node.args[1], nd, 2) else None
-    if t in PERMUTES:
-        perm = _permutation(node, nd)
-        moved = [d for d, p in enumerate(perm) if d != p]
-        return True if moved and min(moved) >= nd - 2 and 2 in [static_int(sv.shape[d]) for d in moved] else None
-    if t is aten.unsqueeze.default:
-        return True if norm_dim(node.args[1], nd + 1) == nd else None
-    if t in (aten.squeeze.dim, aten.squeeze.dims):
-        dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
-        return True if all(norm_dim(d, nd) >= nd - 2 for d in dims) else None
-    if t is aten.expand.default:
-        return True if shape_eq(sv.shape[:-1], nv.shape[-sv.dim():-1] if sv.dim() else ()) and nv.dim() == nd else None
-    if t in (aten.view_as_complex.default, aten.view_as_real.default, aten._conj.default):
-        return True
-    if t is aten.flip.default:
-        return True if all(_lane_dim(node, d, nd) for d in node.args[1]) else None
-    if t is aten.slice_backward.default:
-        return True if _lane_dim(node, node.args[2], nv.dim()) else None
-    if t is aten.select_backward.default:
-        return True if _lane_dim(node, node.args[2], nv.dim(), 2) else None
-    if t is aten.select_scatter.default:
-        return True if _lane_dim(node, node.args[2], nd, 2) else None
-    if t is aten.slice_scatter.default:
-        return True if _lane_dim(node, slice_scatter_args(node)[0], nd) else None
-    return None
+    perm = _permutation(node, nd)
+    moved = [d for d, p in enumerate(perm) if d != p]
+    return bool(moved) and min(moved) >= nd - 2 and 2 in [static_int(sv.shape[d]) for d in moved]
+
+
+def _squeezes_lanes(node: Node, sv, nv) -> bool:
+    dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+    return all(norm_dim(d, sv.dim()) >= sv.dim() - 2 for d in dims)
+
+
+def _expands_lanes(node: Node, sv, nv) -> bool:
+    return nv.dim() == sv.dim() and shape_eq(sv.shape[:-1], nv.shape[:-1])
+
+
+_LANE_RULES_BY_TARGET = {
+    **{t: _rule_arith for t in (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor)},
+    **{t: (lambda node: False) for t in (aten.neg.default, aten.copy.default, *SAME)},
+    **{t: _rule_cast for t in CASTS},
+    **{t: _rule_cat for t in (aten.cat.default, aten.stack.default)},
+    **{t: (lambda node: True if _split_on_lanes(node) else None) for t in SPLITS},
+    operator.getitem: _rule_getitem,
+    **{t: _shaped(lambda node, sv, nv: _is_pairs_view(sv.shape, nv.shape)) for t in VIEWS},
+    aten.slice.Tensor: _shaped(lambda node, sv, nv: _lane_dim(node, slice_args(node)[0], sv.dim())),
+    aten.select.int: _shaped(lambda node, sv, nv: _lane_dim(node, node.args[1], sv.dim(), 2)),
+    **{t: _shaped(_moves_last_two) for t in PERMUTES},
+    aten.unsqueeze.default: _shaped(lambda node, sv, nv: norm_dim(node.args[1], sv.dim() + 1) == sv.dim()),
+    **{t: _shaped(_squeezes_lanes) for t in (aten.squeeze.dim, aten.squeeze.dims)},
+    aten.expand.default: _shaped(_expands_lanes),
+    **{t: _shaped(lambda node, sv, nv: True) for t in (aten.view_as_complex.default, aten.view_as_real.default,
+                                                         aten._conj.default)},
+    aten.flip.default: _shaped(lambda node, sv, nv: all(_lane_dim(node, d, sv.dim()) for d in node.args[1])),
+    aten.slice_backward.default: _shaped(lambda node, sv, nv: _lane_dim(node, node.args[2], nv.dim())),
+    aten.select_backward.default: _shaped(lambda node, sv, nv: _lane_dim(node, node.args[2], nv.dim(), 2)),
+    aten.select_scatter.default: _shaped(lambda node, sv, nv: _lane_dim(node, node.args[2], sv.dim(), 2)),
+    aten.slice_scatter.default: _shaped(lambda node, sv, nv: _lane_dim(node, slice_scatter_args(node)[0], sv.dim())),
+}
+_LANE_RULES = {id(t): rule for t, rule in _LANE_RULES_BY_TARGET.items()}
 
 
 def _split_on_lanes(split: Node) -> bool:
@@ -402,7 +425,7 @@ class _Interpretation:
         if v.dim() == 0:
             raise _Opaque(f"{node.name} is 0-d")
         t = node.target
-        handler = _TRANSFERS.get(t)
+        handler = _TRANSFER_IDS.get(id(t))
         if handler is None:
             raise _Opaque(f"{getattr(t, '__name__', t)} is not a lane operation")
         return handler(self, node)
@@ -863,6 +886,8 @@ _TRANSFERS = {
     aten.view_as_complex.default: _view_as_complex, aten.view_as_real.default: _view_as_real,
     aten._conj.default: _conj,
 }
+_TRANSFER_IDS = {id(t): f for t, f in _TRANSFERS.items()}
+_MIXING = {id(t) for t in (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor)}
 
 
 # -- tables: rebuilt in the graph from the atoms the terms read ---------------------------------------------
@@ -1040,17 +1065,33 @@ def _sizes(b, node: Node, keep: int) -> list:
     return sizes
 
 
-def _unnegated(sign: int, factors: tuple) -> tuple:
-    """(sign, factors) with a table that is a negation (``-sin``, ``sin * -1``) read as its input."""
+def _negation_of(atom: Node) -> Optional[Node]:
+    """t for a table ``-t`` (``neg``, ``t * -1``) of t's shape and dtype."""
+    inner = atom.args[0] if is_call(atom, aten.neg.default) else \
+        atom.args[0] if is_call(atom, aten.mul.Tensor) and atom.args[1] == -1 else None
+    if isinstance(inner, Node) and shape_eq(val(inner).shape, val(atom).shape) and val(inner).dtype == val(atom).dtype:
+        return inner
+    return None
+
+
+def _unnegated(entries: list) -> list:
+    """Per-lane (sign, factors) with a table that is a negation read as its input (and the sign flipped)."""
+    inner = {}
+    for _, factors in entries:
+        for f in factors:
+            if f[0] not in inner:
+                inner[f[0]] = _negation_of(f[0])
+    if not any(inner.values()):
+        return entries
     out = []
-    for atom, comp, k, lane in factors:
-        inner = atom.args[0] if is_call(atom, aten.neg.default) else \
-            atom.args[0] if is_call(atom, aten.mul.Tensor) and atom.args[1] == -1 else None
-        if isinstance(inner, Node) and shape_eq(val(inner).shape, val(atom).shape) and \
-                val(inner).dtype == val(atom).dtype:
-            atom, sign = inner, -sign
-        out.append((atom, comp, k, lane))
-    return sign, tuple(out)
+    for sign, factors in entries:
+        fs = []
+        for atom, comp, k, lane in factors:
+            if inner[atom] is not None:
+                atom, sign = inner[atom], -sign
+            fs.append((atom, comp, k, lane))
+        out.append((sign, tuple(fs)))
+    return out
 
 
 def _table(entries: list, width: int) -> Union[Table, str]:
@@ -1058,7 +1099,7 @@ def _table(entries: list, width: int) -> Union[Table, str]:
     counts = {len(f) for _, f in entries}
     if counts != {len(entries[0][1])} or not entries[0][1]:
         return "a term multiplies x by no table" if 0 in counts else "the terms multiply x by different tables"
-    entries = [_unnegated(sign, f) for sign, f in entries]
+    entries = _unnegated(entries)
     factors = []
     for i in range(len(entries[0][1])):
         column = [((sign if i == 0 else 1), *f[i]) for sign, f in entries]
@@ -1366,13 +1407,27 @@ class Analysis:
         self.position = {n: i for i, n in enumerate(graph.nodes)}
         self._independent: dict = {}  # x -> nodes known not to depend on x
         self._interpretations: dict = {}
+        self._lane_ops: dict = {}
+        self._templates: dict = {}  # signature -> a result with nodes as indices (see _signature)
+        self._descriptions: dict = {}
+        self._distances: dict = {}
         self.results: dict = {}  # anchor -> Rotation | Refusal
-        for anchor in self._anchors():
-            result = self._evaluate(anchor)
+        self._deferred: set = set()  # anchors inside a rotary_mul Rotation: no pass would take them
+        holders: dict = {}
+        for anchor in reversed(self._anchors()):  # the outermost first
+            holder = holders.get(anchor)
+            if holder is not None and holder.form in ROTARY_FORMS and not holder.doubtful:
+                self._deferred.add(anchor)
+                continue
+            result = self._evaluate_alike(anchor)
             if result is not None:
                 self.results[anchor] = result
+                if isinstance(result, Rotation):
+                    for n in result.region:
+                        holders.setdefault(n, result)
         self._reported = self._outermost_refusals()
         self._decisions: dict = {}
+        self._on_demand: dict = {}
 
     # reading the graph
     def depends(self, node: Node, x: Node) -> bool:
@@ -1398,6 +1453,14 @@ class Analysis:
         known.update(seen)
         return False
 
+    def lane_op(self, node: Node) -> Optional[bool]:
+        """:func:`lane_op`, once per node."""
+        try:
+            return self._lane_ops[node]
+        except KeyError:
+            found = self._lane_ops[node] = lane_op(node)
+            return found
+
     def interpretation(self, x: Node) -> _Interpretation:
         found = self._interpretations.get(x)
         if found is None:
@@ -1405,23 +1468,55 @@ class Analysis:
         return found
 
     def _anchors(self) -> list:
-        """Anchor candidates: at most NEAR lane ops after a lane move (one pass over the graph)."""
-        dist, anchors = {}, []
+        """Anchor candidates: the sums of two tensors (and complex products) at most NEAR lane ops
+        after a lane move, and the anchor ops at most NEAR lane ops after one of them (no lane of
+        anything else has two terms)."""
+        found = set()
         for n in self.graph.nodes:
-            kind = lane_op(n)
-            if kind is None:
+            if n.op != "call_function" or id(n.target) not in _MIXING or len(n.all_input_nodes) != 2 or \
+                    (n.target is aten.mul.Tensor and not val(n).is_complex()) or self.lane_op(n) is None:
                 continue
-            if kind:
-                d = 0
-            else:
-                ds = [dist[a] for a in n.all_input_nodes if a in dist]
-                if not ds or min(ds) >= NEAR:
-                    continue
-                d = min(ds) + 1
-            dist[n] = d
-            if n.target in ANCHORS:
-                anchors.append(n)
-        return anchors
+            if not self._after_a_move(n):
+                continue
+            frontier, hops = [n], 0
+            while frontier and hops <= NEAR:  # n and the lane ops that take it further
+                nxt = []
+                for m in frontier:
+                    if m in found:
+                        continue
+                    found.add(m)
+                    nxt += [u for u in m.users if self.lane_op(u) is not None]
+                frontier, hops = nxt, hops + 1
+        position = self.position
+        return sorted((m for m in found if m.target in ANCHORS), key=lambda m: position.get(m, 0))
+
+    def _after_a_move(self, node: Node) -> bool:
+        """A lane move at most NEAR lane ops before node."""
+        return self._move_distance(node) <= NEAR
+
+    def _move_distance(self, node: Node) -> int:
+        """How many lane ops after a lane move node is (NEAR + 1: farther, or none), once per node."""
+        found = self._distances.get(node)
+        if found is not None:
+            return found
+        stack = [node]  # (iterative: chains of residual adds are long)
+        while stack:
+            n = stack[-1]
+            if n in self._distances:
+                stack.pop()
+                continue
+            kind = self.lane_op(n)
+            if kind is None or kind:
+                self._distances[n] = NEAR + 1 if kind is None else 0
+                stack.pop()
+                continue
+            todo = [a for a in n.all_input_nodes if a not in self._distances]
+            if todo:
+                stack.extend(todo)
+                continue
+            self._distances[n] = min([NEAR + 1, *(self._distances[a] + 1 for a in n.all_input_nodes)])
+            stack.pop()
+        return self._distances[node]
 
     def _leaves(self, anchor: Node) -> tuple:
         """(x candidates, whether the walk looks like a RoPE): the non-lane-op nodes reached from the
@@ -1433,7 +1528,7 @@ class Analysis:
                 continue
             first = node not in moved
             moved[node] = m
-            kind = lane_op(node)
+            kind = self.lane_op(node)
             if kind is None:
                 continue
             if first:
@@ -1441,12 +1536,94 @@ class Analysis:
                 cuts += node.target in (aten.slice.Tensor, aten.select.int, operator.getitem)
             for a in node.all_input_nodes:
                 stack.append((a, m or kind))
-        leaves = [n for n, m in moved.items() if m and lane_op(n) is None and isinstance(val(n), torch.Tensor)
+        leaves = [n for n, m in moved.items() if m and self.lane_op(n) is None and isinstance(val(n), torch.Tensor)
                   and val(n).dim() and val(n).is_floating_point() and n.all_input_nodes + [n] and
                   not is_call(n, *ZEROS, aten.full.default, aten.full_like.default)]
         shape = val(anchor).shape
         leaves.sort(key=lambda n: (not shape_eq(val(n).shape, shape), -self.position.get(n, 0)))
         return leaves, muls >= 2 and cuts >= 1
+
+    def _evaluate_alike(self, anchor: Node) -> Union[Rotation, Refusal, None]:
+        """:meth:`_evaluate`, reusing the result of an anchor with the same signature (the layers of a
+        model): the same structure gives the same result, up to which nodes play each part."""
+        signed = self._signature(anchor)
+        if signed is None:
+            return self._evaluate(anchor)
+        signature, order = signed
+        template = self._templates.get(signature, _MISSING)
+        if template is _MISSING:
+            result = self._evaluate(anchor)
+            self._templates[signature] = _template(result, order)
+            return result
+        if template is None:
+            return None
+        if template == "again":  # a refusal: its reason names this anchor's nodes
+            return self._evaluate(anchor)
+        return self._instantiate(template, order)
+
+    def _signature(self, anchor: Node) -> Optional[tuple]:
+        """(signature, nodes): every node the evaluation of anchor can read (the lane ops reached from
+        it and the nodes they read), each by its op, constant arguments, meta and inputs (by index), the
+        order of the leaves in the graph, and which nodes each leaf depends on; or None past a bound."""
+        order, index, stack = [], {}, [anchor]
+        while stack:
+            n = stack.pop()
+            if n in index:
+                continue
+            index[n] = len(order)
+            order.append(n)
+            if len(order) > 2 * MAX_REGION:
+                return None
+            if n is anchor or self.lane_op(n) is not None:
+                stack.extend(reversed(n.all_input_nodes))
+        candidates = set(self._leaves(anchor)[0])  # what may be taken as x: these leaves, or lane ops
+        entries, leaves = [], []
+        for i, n in enumerate(order):
+            leaf = bool(i) and self.lane_op(n) is None
+            if leaf:
+                leaves.append(i)
+            desc, inputs = self._describe(n, leaf)
+            entries.append((desc, tuple(index[a] for a in inputs)))
+        position = self.position
+        ranks = tuple(sorted(leaves, key=lambda i: position.get(order[i], 0)))
+        xs = [j for j, n in enumerate(order) if n in candidates or (j and self.lane_op(n) is not None)]
+        depends = tuple((i, j) for i in leaves for j in xs
+                        if j != i and position.get(order[i], 0) > position.get(order[j], 0)
+                        and self.depends(order[i], order[j]))
+        return (tuple(entries), ranks, depends), order
+
+    def _describe(self, node: Node, leaf: bool) -> tuple:
+        """(what the evaluation reads of node, node's inputs in argument order), once per node."""
+        key = (node, leaf)
+        found = self._descriptions.get(key)
+        if found is None:
+            v = val(node)
+            if isinstance(v, torch.Tensor):
+                shape = tuple(v.shape)
+                if not all(type(d) is int for d in shape):
+                    shape = tuple(map(str, shape))
+                meta = shape, v.dtype, v.is_complex() and v.is_conj()
+            else:
+                meta = type(v).__name__
+            if leaf:
+                zeros = node.target if is_call(node, *ZEROS, aten.full.default, aten.full_like.default) else None
+                found = ("leaf", meta, zeros, node.args[1] if zeros in (aten.full.default, aten.full_like.default)
+                         else None), ()
+            else:
+                inputs: list = []
+                found = (node.target, _encoded(node.args, inputs), _encoded(node.kwargs, inputs), meta), tuple(inputs)
+            self._descriptions[key] = found
+        return found
+
+    def _instantiate(self, template: dict, order: list) -> Rotation:
+        nodes = dict(enumerate(order))
+        tables = tuple(Table([[dataclasses.replace(seg, atom=nodes[seg.atom]) for seg in f] for f in t.factors], t.width)
+                       for t in template["tables"])
+        r = Rotation(**{**template["fields"], "anchor": order[0], "x": nodes[template["x"]], "tables": tables,
+                        "region": frozenset(nodes[i] for i in template["region"]),
+                        "chain": tuple(nodes[i] for i in template["chain"]), "nodes": []})
+        r.nodes = self._rewrite_nodes(r)
+        return r
 
     def _evaluate(self, anchor: Node) -> Union[Rotation, Refusal, None]:
         leaves, ropeish = self._leaves(anchor)
@@ -1515,7 +1692,7 @@ class Analysis:
         source = leaf
         for n in dominators:
             v = interp.memo.get(n)
-            if not isinstance(v, Lanes) or v.cplx or lane_op(n) is True or \
+            if not isinstance(v, Lanes) or v.cplx or self.lane_op(n) is True or \
                     any(sum(t[1] != NO_X for t in p) > 1 for p in v.polys):
                 break  # x's lanes move, or mix, from here on
             source = n
@@ -1594,8 +1771,58 @@ class Analysis:
         return None
 
     def rotation_at(self, anchor: Node) -> Optional[Rotation]:
+        """The Rotation rooted at anchor, whether or not a pass takes it (evaluated on demand)."""
         found = self.results.get(anchor)
+        if found is None and anchor in self._deferred:
+            if anchor not in self._on_demand:
+                self._on_demand[anchor] = self._evaluate(anchor)
+            found = self._on_demand[anchor]
         return found if isinstance(found, Rotation) else None
+
+    def rotations(self) -> list:
+        """Every Rotation found (the ones inside a larger one included)."""
+        for anchor in self._deferred:
+            self.rotation_at(anchor)
+        found = [*self.results.values(), *self._on_demand.values()]
+        return [r for r in found if isinstance(r, Rotation)]
+
+
+_MISSING = object()
+
+
+def _encoded(arg, inputs: list):
+    """arg as a hashable constant, each node replaced by a marker and appended to inputs."""
+    if isinstance(arg, Node):
+        inputs.append(arg)
+        return _NODE
+    if isinstance(arg, (list, tuple)):
+        return tuple(_encoded(a, inputs) for a in arg)
+    if isinstance(arg, dict):
+        return tuple(sorted((k, _encoded(v, inputs)) for k, v in arg.items()))
+    if isinstance(arg, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return str(arg)
+    return arg
+
+
+_NODE = object()  # a node argument, in a signature
+
+
+def _template(result: Union[Rotation, Refusal, None], order: list) -> Any:
+    """result with its nodes as indices into order (None stays None; a refusal is evaluated again)."""
+    if result is None:
+        return None
+    if isinstance(result, Refusal):
+        return "again"
+    index = {n: i for i, n in enumerate(order)}
+    atoms = [seg.atom for t in result.tables for f in t.factors for seg in f]
+    if not all(n in index for n in (result.x, *atoms, *result.region, *result.chain)):
+        return "again"
+    tables = tuple(Table([[dataclasses.replace(seg, atom=index[seg.atom]) for seg in f] for f in t.factors], t.width)
+                   for t in result.tables)
+    fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(Rotation)
+              if f.name not in ("anchor", "x", "tables", "region", "chain", "nodes")}
+    return {"fields": fields, "x": index[result.x], "tables": tables,
+            "region": [index[n] for n in result.region], "chain": [index[n] for n in result.chain]}
 
 
 _CACHE: "weakref.WeakKeyDictionary[Graph, tuple]" = weakref.WeakKeyDictionary()

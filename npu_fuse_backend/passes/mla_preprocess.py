@@ -267,8 +267,8 @@ class MlaPreprocessFusion(FusionPass):
         kv = kv_nodes[0]
         lanes = {_uncast(qkv): (mla.QKV - mla.ROPE, mla.QKV), kv: (mla.KV_LORA, mla.KV_LORA + mla.ROPE),
                  k_pe: (0, mla.ROPE)}
-        for site in rotation.analysis(ctx.graph, ctx.kind).results.values():
-            if not (isinstance(site, rotation.Rotation) and lanes.get(_uncast(site.x)) == (site.start, site.end)
+        for site in rotation.analysis(ctx.graph, ctx.kind).rotations():
+            if not (lanes.get(_uncast(site.x)) == (site.start, site.end)
                     and site.form == q_site.form and not site.passthrough and not site.backward):
                 continue
             tables = [_table_root(t.leaf()) for t in (*site.tables, *q_site.tables)]
