@@ -95,9 +95,51 @@ def _deepseek_v3(layers: int):
         moe_intermediate_size=32)
 
 
+def _deepseek_v2(layers: int):
+    import transformers
+
+    return transformers.DeepseekV2Config(
+        **_common(layers, num_key_value_heads=HEADS), q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=layers, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, n_group=1, topk_group=1)
+
+
+def _llama4(layers: int):
+    import transformers
+
+    # every layer a RoPE layer (no_rope_layers: 1 = uses RoPE), dense MLPs, chunked attention
+    return transformers.Llama4TextConfig(**_common(layers, head_dim=16), intermediate_size_mlp=INTERMEDIATE,
+                                         num_local_experts=2, moe_layers=[], no_rope_layers=[1] * layers,
+                                         attention_chunk_size=4)
+
+
+def _phi3_longrope(layers: int):
+    import transformers
+
+    half = HIDDEN // HEADS // 2
+    return transformers.Phi3Config(**_common(layers, pad_token_id=0, original_max_position_embeddings=64), rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+        "short_factor": [1.0 + 0.1 * i for i in range(half)], "long_factor": [1.5 + 0.1 * i for i in range(half)]})
+
+
+def _qwen_vl(name: str):
+    def make(layers: int):
+        import transformers
+
+        text = _common(layers, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                "rope_theta": 10000.0})
+        vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2)
+        if name == "Qwen2_5_VLConfig":
+            vision = dict(depth=1, hidden_size=32, num_heads=2, out_hidden_size=HIDDEN, intermediate_size=32)
+        return getattr(transformers, name)(text_config=text, vision_config=vision)
+
+    return make
+
+
 ROPE = {"rotary_mul": 2}  # q and k
 ROPE_BACKWARD = {"rotary_mul_backward": 2}
 SOFTMAX_BACKWARD = {"softmax_grad_ext": 1}
+TRAINING = {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}
 
 FAMILIES = [
     Family("llama", _config("LlamaConfig"), "LlamaForCausalLM", ROPE, {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
@@ -121,6 +163,42 @@ FAMILIES = [
     Family("falcon", _falcon, "FalconForCausalLM", ROPE, {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
     Family("deepseek-v3 (interleave)", _deepseek_v3, "DeepseekV3ForCausalLM", {"interleave_rope": 2},
            {"interleave_rope_backward": 2, **SOFTMAX_BACKWARD}),
+    # chosen for their differences: MoE routers, QK-norm placement, rope scalings, M-RoPE, complex RoPE, MLA
+    Family("qwen3-moe (MoE router, QK-norm per head)", _config("Qwen3MoeConfig", head_dim=16, num_experts=4,
+                                                              num_experts_per_tok=2, moe_intermediate_size=32),
+           "Qwen3MoeForCausalLM", ROPE, TRAINING),
+    Family("mixtral (MoE router)", _config("MixtralConfig", num_local_experts=4, num_experts_per_tok=2),
+           "MixtralForCausalLM", ROPE, TRAINING),
+    Family("olmo2 (QK-norm on the whole projections)", _config("Olmo2Config"), "Olmo2ForCausalLM", ROPE, TRAINING),
+    Family("gemma3 (QK-norm, sliding-window layers)", _config("Gemma3TextConfig", head_dim=16, sliding_window=4),
+           "Gemma3ForCausalLM", ROPE, TRAINING),
+    Family("granite (embedding/attention/residual multipliers)", _config("GraniteConfig"), "GraniteForCausalLM",
+           ROPE, TRAINING),
+    Family("glm4 (partial interleave, repeat_interleave tables)", _config("Glm4Config", head_dim=16, pad_token_id=0),
+           "Glm4ForCausalLM", {"inplace_partial_rotary_mul": 2}, TRAINING),
+    # q's complex RoPE on its q_pe split is a partial RoPE of q (the in-place op, in the backward too: the
+    # adjoint of a rotation by freqs_cis is the rotation by conj(freqs_cis)); k_pe's is rotary_mul
+    Family("deepseek-v2 (complex RoPE on an MLA split)", _deepseek_v2, "DeepseekV2ForCausalLM",
+           {"inplace_partial_rotary_mul": 1, "rotary_mul": 1},
+           {"inplace_partial_rotary_mul": 1, "rotary_mul": 1, **SOFTMAX_BACKWARD}),
+    Family("llama4 (complex RoPE, L2 QK-norm, chunked attention)", _llama4, "Llama4ForCausalLM", ROPE,
+           {"rotary_mul": 2, **SOFTMAX_BACKWARD}),
+    Family("phi3-longrope (LongRoPE scaled tables)", _phi3_longrope, "Phi3ForCausalLM", ROPE, TRAINING),
+    Family("starcoder2 (biases, LayerNorm)", _config("Starcoder2Config"), "Starcoder2ForCausalLM", ROPE, TRAINING),
+    Family("cohere2 (interleave, sliding-window layers)", _config("Cohere2Config", sliding_window=4),
+           "Cohere2ForCausalLM", ROPE, TRAINING),
+    Family("ernie4_5 (interleave, repeat_interleave tables)", _config("Ernie4_5Config", head_dim=16),
+           "Ernie4_5ForCausalLM", ROPE, TRAINING),
+    Family("minicpm3 (MLA-style q/k split RoPE)", _config("MiniCPM3Config", num_key_value_heads=HEADS, q_lora_rank=32,
+                                                         kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                                         v_head_dim=16),
+           "MiniCPM3ForCausalLM", ROPE, TRAINING),
+    Family("exaone4 (QK-norm, sliding window)", _config("Exaone4Config", sliding_window=4), "Exaone4ForCausalLM",
+           ROPE, TRAINING),
+    Family("qwen2-vl (M-RoPE sections)", _qwen_vl("Qwen2VLConfig"), "Qwen2VLForConditionalGeneration", ROPE,
+           TRAINING),
+    Family("qwen2_5-vl (M-RoPE sections)", _qwen_vl("Qwen2_5_VLConfig"), "Qwen2_5_VLForConditionalGeneration", ROPE,
+           TRAINING),
 ]
 BY_NAME = {f.name.split(" ")[0]: f for f in FAMILIES}
 

@@ -12,9 +12,11 @@ lane dims, casts, ``copy``, ``slice_backward``/``slice_scatter`` and complex vie
 (``view_as_complex(...) * freqs``, ``view_as_real``) move, sign and combine lanes; anything else
 is an atom, and an atom that depends on x is recorded with why it could not be followed.
 
-The rotated tensor x is where the two terms' paths meet (the last node every path from the
-anchor's inputs passes through), extended back through pure lane ops (a split of a fused
-projection, DeepSeek's de-interleave view). The result then maps to the op that computes
+The rotated tensor x is found from the leaves the walk from the anchor reaches through lane moves:
+of the nodes every path from such a leaf to the anchor goes through, the last one before x's lanes
+first move or mix (a dequantized projection before its split, a sum of gradients, ``x * 1.0``); a
+view that may split either pairs or heads (``[T, 2 * D] -> [T, 2, D]``) is read both ways, heads
+preferred. The result then maps to the op that computes
 exactly it (:class:`Rotation`): ``a`` the identity and ``b`` the half or interleave pairing
 (rotary_mul, or rotary_mul_backward when its tables are the simpler: autograd's R^T(g * sin)),
 DeepSeek's pairs-in/halves-out permutation and its adjoint (interleave_rope and its backward),
@@ -35,8 +37,12 @@ or of their sum is harmless when its dtype is at least as precise as the result'
 bf16 ``g * cos``, a bf16 model's bf16 products); one that is coarser than the result's dtype is
 refused. The op runs in the promotion of x's, the tables' and the result's dtypes.
 
-Cost: anchors are only the nodes a few lane ops away from a lane move; every value is computed
-once per (x, node) and per graph (the cache lives until the graph changes).
+Cost: anchors are only sums of two tensors a few lane ops after a lane move, and the lane ops a few
+steps after them; the outermost are evaluated first and those inside a rotation only on demand; every
+value is computed once per (x, node); an anchor whose signature (its cone's ops, constants, meta and
+wiring, and which of its nodes depend on which) matches an evaluated one's reuses that result with its
+nodes mapped (the layers of a model: one evaluation per distinct site). All of it is kept per graph
+until the graph changes.
 """
 
 import dataclasses
@@ -49,7 +55,7 @@ import torch
 from torch.fx import Graph, Node
 
 from .graph_utils import aten, is_call, norm_dim, shape_eq, size_eq, slice_args, slice_scatter_args, \
-    static_int, val
+    static_int, users_outside, val
 
 prims = torch.ops.prims
 CASTS = (aten._to_copy.default, prims.convert_element_type.default)
@@ -322,7 +328,7 @@ class _Interpretation:
         xv = val(x)
         self.x_width = static_int(xv.shape[-1]) if isinstance(xv, torch.Tensor) and xv.dim() else None
         self.x_dtype = xv.dtype if isinstance(xv, torch.Tensor) else None
-        self.visited = 0
+        self.depth = 0  # of the evaluation under way (bounded: chains of residual adds are long)
         self.ambiguous: list = []  # views of x read as lanes that may be leading dims instead
 
     # values
@@ -336,14 +342,16 @@ class _Interpretation:
         if node is self.x or not self.analysis.depends(node, self.x):
             result = node
         else:
-            self.visited += 1
+            self.depth += 1
             try:
-                if self.visited > MAX_REGION:
-                    raise _Opaque(f"more than {MAX_REGION} nodes from x")
+                if self.depth > MAX_REGION:
+                    raise _Opaque(f"more than {MAX_REGION} lane ops from x")
                 result = self._transfer(node)
             except _Opaque as why:
                 self.why[node] = str(why)
                 result = node
+            finally:
+                self.depth -= 1
         self.memo[node] = result
         return result
 
@@ -1738,15 +1746,26 @@ class Analysis:
         found = self._decisions.get(role)
         if found is not None:
             return found
-        eligible = []
-        for r in self.results.values():
-            if isinstance(r, Rotation):
-                r = self._for_role(r, role)
-                if r is not None:
-                    eligible.append(r)
-        # the largest; but one that reads two heads as pairs yields to the per-head rotations inside it
-        chosen = [r for r in eligible if not any(r.anchor in o.region for o in eligible if o is not r and not o.doubtful)
-                  and not (r.doubtful and any(o.anchor in r.region for o in eligible if o is not r))]
+        eligible = [r for r in map(lambda r: self._for_role(r, role), self.rotations(self.results.values()))
+                    if r is not None]
+        # one whose intermediates other nodes read (a saved activation) yields to the rotations inside it
+        leaky = {id(r) for r in eligible if users_outside(r.nodes, [r.anchor]) is not None}
+        if leaky:
+            inner = [self.rotation_at(a) for a in self._deferred
+                     if any(a in r.region for r in eligible if id(r) in leaky)]
+            eligible += [r for r in map(lambda r: self._for_role(r, role), self.rotations(inner)) if r is not None]
+            leaky = {id(r) for r in eligible if users_outside(r.nodes, [r.anchor]) is not None}
+
+        def inside(r, o):
+            return r is not o and r.anchor in o.region
+
+        chosen = []
+        for r in eligible:  # the largest; but a doubtful or leaky one yields to those inside it
+            if any(inside(r, o) for o in eligible if not o.doubtful and id(o) not in leaky):
+                continue
+            if (r.doubtful or id(r) in leaky) and any(inside(o, r) for o in eligible if id(o) not in leaky):
+                continue
+            chosen.append(r)
         chosen += [f for f in self._reported if f.family == role]
         found = sorted(((r.anchor, r) for r in chosen), key=lambda ar: self.position.get(ar[0], 0))
         self._decisions[role] = found
@@ -1779,12 +1798,13 @@ class Analysis:
             found = self._on_demand[anchor]
         return found if isinstance(found, Rotation) else None
 
-    def rotations(self) -> list:
-        """Every Rotation found (the ones inside a larger one included)."""
-        for anchor in self._deferred:
-            self.rotation_at(anchor)
-        found = [*self.results.values(), *self._on_demand.values()]
-        return [r for r in found if isinstance(r, Rotation)]
+    def rotations(self, results=None) -> list:
+        """The Rotations among results (default: every one found, those inside a larger one too)."""
+        if results is None:
+            for anchor in self._deferred:
+                self.rotation_at(anchor)
+            results = [*self.results.values(), *self._on_demand.values()]
+        return [r for r in results if isinstance(r, Rotation)]
 
 
 _MISSING = object()

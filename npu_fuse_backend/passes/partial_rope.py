@@ -21,7 +21,8 @@ the costly part and rotary_mul takes any layout.
 Constraints: x 4-D (a 3-D ``[T, N, D]`` or 2-D ``[T, D]`` x is lifted), static head dim D <= 1024
 and even, even slice length, one float dtype for x, cos, sin and the result (the op works in place, in
 x's dtype), cos/sin broadcastable to ``x[..., s:e]``, no intermediate used outside. A subgraph that
-breaks one is left to the full-RoPE pass, which fuses it or says why. The cos/sin layouts each SoC
+breaks one is left to the full-RoPE pass, which fuses it (quietly, when it takes the same subgraph; a
+near-miss of this pass otherwise says why the in-place op did not). The cos/sin layouts each SoC
 accepts are the op's ``@soc_limits`` (lowering/ops/inplace_partial_rotary_mul.py), checked on every
 rewrite (a near-miss of this pass; the full-RoPE pass then rotates the slice with rotary_mul).
 """
@@ -56,9 +57,15 @@ class PartialRotaryFusion(FusionPass):
         return [anchor for anchor, _ in rotation.analysis(ctx.graph, ctx.kind).decisions(self.role)]
 
     def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
-        found = dict(rotation.analysis(ctx.graph, ctx.kind).decisions(self.role)).get(anchor)
-        if not isinstance(found, rotation.Rotation) or self._refused(found):
-            return None  # the full-RoPE pass takes (or reports) what this op cannot take
+        analysis = rotation.analysis(ctx.graph, ctx.kind)
+        found = dict(analysis.decisions(self.role)).get(anchor)
+        if not isinstance(found, rotation.Rotation):
+            return None
+        refused = self._refused(found)
+        if refused:
+            if isinstance(dict(analysis.decisions("rotary_mul")).get(anchor), rotation.Rotation):
+                return None  # the full-RoPE pass fuses this very subgraph: nothing to report
+            raise NotFused(refused)
         x, start, end = found.x, found.start, found.end
         contiguous = val(x).is_contiguous()
         x_rank = val(x).dim()
