@@ -117,9 +117,11 @@ def _phi3_longrope(layers: int):
     import transformers
 
     half = HIDDEN // HEADS // 2
-    return transformers.Phi3Config(**_common(layers, pad_token_id=0, original_max_position_embeddings=64), rope_parameters={
-        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
-        "short_factor": [1.0 + 0.1 * i for i in range(half)], "long_factor": [1.5 + 0.1 * i for i in range(half)]})
+    scaling = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+               "short_factor": [1.0 + 0.1 * i for i in range(half)],
+               "long_factor": [1.5 + 0.1 * i for i in range(half)]}
+    return transformers.Phi3Config(**_common(layers, pad_token_id=0, original_max_position_embeddings=64),
+                                   rope_parameters=scaling)
 
 
 def _qwen_vl(name: str):

@@ -1190,7 +1190,7 @@ class Refusal:
 
     anchor: Node
     reason: str
-    family: str  # the pass that reports it
+    family: str  # the role of the pass that reports it (see Analysis.decisions)
     region: frozenset
 
 
@@ -1230,7 +1230,7 @@ def classify(interp: _Interpretation, anchor: Node, value: Any, kind: str) -> Un
         return None  # no lane combines two lanes of x, and x's lanes are not moved either
     region = value.region
 
-    def refuse(reason: str, family: str = "rope") -> Refusal:
+    def refuse(reason: str, family: str = "rotary_mul") -> Refusal:
         return Refusal(anchor, reason, family, region)
 
     for p in polys:
@@ -1289,7 +1289,7 @@ def classify(interp: _Interpretation, anchor: Node, value: Any, kind: str) -> Un
             break
     if form is None:
         return refuse(_no_form(lanes, piece, w))
-    family = "rope_interleave" if form in PAIRS_FORMS else "rope"
+    family = "interleave" if form in PAIRS_FORMS else "rotary_mul"  # (the role of the pass that reports it)
     a, b, partner = _maps(form, w)
     terms_a = [p[0] if p[0][1] - s_off == a[t] else p[1] for t, p in enumerate(local)]
     terms_b = [p[1] if p[0][1] - s_off == a[t] else p[0] for t, p in enumerate(local)]
@@ -1320,14 +1320,13 @@ def classify(interp: _Interpretation, anchor: Node, value: Any, kind: str) -> Un
                           f"{_name(out_dtype)}: the fused op rounds once, at the end", family)
     # tables
     rho = _rho(form, w)
-    first = (lambda t: (terms_a[t][0], terms_a[t][3]))
     if form == HALF_TO_PAIRS:
         q, p_map, _ = _maps(PAIRS_TO_HALF, w)
         cos_entries = [(terms_a[q[j]][0], terms_a[q[j]][3]) for j in range(w)]
         sin_entries = [(rho[j] * terms_b[p_map[j]][0], terms_b[p_map[j]][3]) for j in range(w)]
         options = [(True, cos_entries, sin_entries)]
     else:
-        cos_entries = [first(t) for t in range(w)]
+        cos_entries = [(terms_a[t][0], terms_a[t][3]) for t in range(w)]
         forward = [(terms_b[t][0] * rho[t], terms_b[t][3]) for t in range(w)]
         options = [(False, cos_entries, forward)]
         if form in ROTARY_FORMS:
@@ -1342,10 +1341,6 @@ def classify(interp: _Interpretation, anchor: Node, value: Any, kind: str) -> Un
     # the simpler tables (autograd's own R^T(g * sin) reads them as they are); a tie: the graph's own kind
     built.sort(key=lambda c: (c[0], c[1] != (kind == "backward")))
     _, backward, r1, r2 = built[0]
-    if form == PAIRS_TO_HALF:
-        backward = False
-    if form == HALF_TO_PAIRS:
-        backward = True
     for name, table in (("cos", r1), ("sin", r2)):
         reason = _table_fits(table, name, x, piece, w)
         if reason:
@@ -1625,8 +1620,8 @@ class Analysis:
 
     def _instantiate(self, template: dict, order: list) -> Rotation:
         nodes = dict(enumerate(order))
-        tables = tuple(Table([[dataclasses.replace(seg, atom=nodes[seg.atom]) for seg in f] for f in t.factors], t.width)
-                       for t in template["tables"])
+        tables = tuple(Table([[dataclasses.replace(seg, atom=nodes[seg.atom]) for seg in f] for f in t.factors],
+                             t.width) for t in template["tables"])
         r = Rotation(**{**template["fields"], "anchor": order[0], "x": nodes[template["x"]], "tables": tables,
                         "region": frozenset(nodes[i] for i in template["region"]),
                         "chain": tuple(nodes[i] for i in template["chain"]), "nodes": []})
@@ -1676,8 +1671,6 @@ class Analysis:
             if isinstance(result, Refusal) and (refusal is None or doubtful):
                 # a refusal of lanes read through an ambiguous view yields to the other reading's
                 refusal, doubtful = result, any(v in result.region for v in interp.ambiguous)
-        if isinstance(refusal, Refusal):
-            refusal.family = "interleave" if refusal.family == "rope_interleave" else "rotary_mul"
         return refusal
 
     def _source(self, interp: _Interpretation, anchor: Node, value: Lanes) -> tuple:
@@ -1850,7 +1843,8 @@ _CACHE: "weakref.WeakKeyDictionary[Graph, tuple]" = weakref.WeakKeyDictionary()
 
 def analysis(graph: Graph, kind: str) -> Analysis:
     """The graph's Analysis, computed once until the graph changes (any node created or erased)."""
-    key = (len(graph.nodes), len(graph._graph_namespace._used_names), kind)
+    created = getattr(getattr(graph, "_graph_namespace", None), "_used_names", None)  # grows with every new node
+    key = (len(graph.nodes), len(created) if created is not None else tuple(map(id, graph.nodes)), kind)
     cached = _CACHE.get(graph)
     if cached is not None and cached[0] == key:
         return cached[1]

@@ -55,7 +55,8 @@ def train(model, h, cos, sin, compiled, autocast=None):
 
 def fused_by_kind():
     reports = nf.get_reports()
-    return {kind: sorted(m.op for r in reports if r.kind == kind for m in r.matches) for kind in ("forward", "backward")}
+    return {kind: sorted(m.op for r in reports if r.kind == kind for m in r.matches)
+            for kind in ("forward", "backward")}
 
 
 ROPE_FW_BW = {"forward": ["rotary_mul"] * 2, "backward": ["rotary_mul_backward"] * 2}

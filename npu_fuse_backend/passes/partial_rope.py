@@ -114,7 +114,8 @@ class PartialRotaryFusion(FusionPass):
         for name, table in zip(("cos", "sin"), rot.tables):
             shape = table.shape()
             if len(shape) > xv.dim() or not broadcasts_to(shape, slice_shape):
-                raise NotFused(f"{name} shape {shape} is not broadcastable to x[..., {start}:{end}] shape {slice_shape}")
+                raise NotFused(f"{name} shape {shape} is not broadcastable to x[..., {start}:{end}] shape "
+                               f"{slice_shape}")
         leaked = users_outside(rot.nodes, [anchor])
         if leaked is not None:
             raise NotFused(f"intermediate {describe(leaked)} is used outside the subgraph")
