@@ -4,7 +4,8 @@ Model code and tracing leave nodes that change nothing, and write the same view 
 each would otherwise be a special case in every matcher that reads through it:
 
 - no-op slices (``x[:, :, :]``, ``x[..., 0:D]``), views/reshapes/expands to x's own
-  shape, casts to x's own dtype and clones that keep x's strides -> x;
+  shape, identity permutes (``torch.vmap`` leaves them), casts to x's own dtype and clones
+  that keep x's strides -> x;
 - identical pure views of one tensor (``x[..., :r]`` written twice, two ``split``\\ s of
   the same tensor) -> one node.
 
@@ -30,7 +31,8 @@ DEDUPLICATED = (aten.slice.Tensor, aten.select.int, aten.view.default, aten._uns
                 aten.split_with_sizes.default, aten.unbind.int, operator.getitem)
 
 
-_MAYBE_NOOP = {id(t) for t in (aten.slice.Tensor, *RESHAPES, *CASTS)}  # by id: OpOverloads hash in Python
+PERMUTES = (aten.permute.default, aten.transpose.int, aten.t.default)
+_MAYBE_NOOP = {id(t) for t in (aten.slice.Tensor, *RESHAPES, *CASTS, *PERMUTES)}  # by id: OpOverloads hash slowly
 _DEDUPLICATED = {id(t) for t in DEDUPLICATED}
 
 
@@ -51,7 +53,7 @@ def _is_noop(node: Node) -> bool:
         end_i = static_int(end)
         return (static_int(start) == 0 and static_int(step) == 1
                 and (end_i == INT_MAX or (end_i is not None and size_eq(src.shape[norm_dim(dim, src.dim())], end_i))))
-    if is_call(node, *RESHAPES):
+    if is_call(node, *RESHAPES, *PERMUTES):  # (a permutation of the same layout: identity, or of size-1 dims)
         return True
     if is_call(node, *CASTS):  # same dtype, device and strides: checked above; nothing else may change
         return set(node.kwargs) <= {"dtype", "layout", "device", "pin_memory", "memory_format"}

@@ -106,12 +106,15 @@ NO_X = -1
 
 
 class Lanes:
-    """The symbolic value of a node: per lane of its last ``k`` dims, a sum of terms."""
+    """The symbolic value of a node: per lane of its last ``k`` dims, a sum of terms; with ``perm``,
+    those terms' value with its leading dims permuted so (``torch.vmap`` permutes each term of a sum)."""
 
-    __slots__ = ("node", "k", "cplx", "polys", "rounds", "region")
+    __slots__ = ("node", "k", "cplx", "polys", "rounds", "region", "perm")
 
-    def __init__(self, node: Node, k: int, cplx: bool, polys: tuple, rounds: frozenset, region: frozenset):
+    def __init__(self, node: Node, k: int, cplx: bool, polys: tuple, rounds: frozenset, region: frozenset,
+                 perm: tuple = ()):
         self.node, self.k, self.cplx, self.polys, self.rounds, self.region = node, k, cplx, polys, rounds, region
+        self.perm = perm
 
     @property
     def lane_shape(self) -> tuple:
@@ -259,11 +262,20 @@ def _shaped(check):
     return rule
 
 
-def _moves_last_two(node: Node, sv, nv) -> bool:
+def _rule_permute(node: Node) -> Optional[bool]:
+    """False for the identity or a permutation of the leading dims of a lane op's result, True for a
+    swap of the last two dims, one of them pairs; else None."""
+    tensors = _tensor_args(node)
+    if tensors is None:
+        return None
+    sv = tensors[0]
     nd = sv.dim()
-    perm = _permutation(node, nd)
-    moved = [d for d, p in enumerate(perm) if d != p]
-    return bool(moved) and min(moved) >= nd - 2 and 2 in [static_int(sv.shape[d]) for d in moved]
+    moved = [d for d, p in enumerate(_permutation(node, nd)) if d != p]
+    if not moved:
+        return False
+    if max(moved) < nd - 1:  # the leading dims: followed only through lane ops (vmap's permuted terms)
+        return False if lane_op(node.args[0]) is not None else None
+    return True if min(moved) >= nd - 2 and 2 in [static_int(sv.shape[d]) for d in moved] else None
 
 
 def _squeezes_lanes(node: Node, sv, nv) -> bool:
@@ -285,7 +297,7 @@ _LANE_RULES_BY_TARGET = {
     **{t: _shaped(lambda node, sv, nv: _is_pairs_view(sv.shape, nv.shape)) for t in VIEWS},
     aten.slice.Tensor: _shaped(lambda node, sv, nv: _lane_dim(node, slice_args(node)[0], sv.dim())),
     aten.select.int: _shaped(lambda node, sv, nv: _lane_dim(node, node.args[1], sv.dim(), 2)),
-    **{t: _shaped(_moves_last_two) for t in PERMUTES},
+    **{t: _rule_permute for t in PERMUTES},
     aten.unsqueeze.default: _shaped(lambda node, sv, nv: norm_dim(node.args[1], sv.dim() + 1) == sv.dim()),
     **{t: _shaped(_squeezes_lanes) for t in (aten.squeeze.dim, aten.squeeze.dims)},
     aten.expand.default: _shaped(_expands_lanes),
@@ -330,6 +342,7 @@ class _Interpretation:
         self.x_dtype = xv.dtype if isinstance(xv, torch.Tensor) else None
         self.depth = 0  # of the evaluation under way (bounded: chains of residual adds are long)
         self.ambiguous: list = []  # views of x read as lanes that may be leading dims instead
+        self.permuted: list = []  # permutes of x's leading dims
 
     # values
     def value(self, node: Any) -> Any:
@@ -401,8 +414,11 @@ class _Interpretation:
     def _cplx_of(self, *args) -> bool:
         return any(isinstance(a, Node) and isinstance(val(a), torch.Tensor) and val(a).is_complex() for a in args)
 
-    def lanes(self, node: Node, k: int, cplx: bool, polys: list, sources: list, extra=()) -> Lanes:
-        """The value of node: its polys materialized in node's dtype (a rounding where it is coarser)."""
+    def lanes(self, node: Node, k: int, cplx: bool, polys: list, sources: list, extra=(), perm: tuple = ()) -> Lanes:
+        """The value of node: its polys materialized in node's dtype (a rounding where it is coarser);
+        ``perm``: its leading dims permuted (only the ops that pass it on say so)."""
+        if not perm and any(isinstance(s, Lanes) and s.perm for s in sources):
+            raise _Opaque(f"{node.name} reads a value whose leading dims are permuted")
         v = val(node)
         dtype = _real(v.dtype)
         rounds = frozenset().union(*(s.rounds for s in sources if isinstance(s, Lanes)))
@@ -421,7 +437,7 @@ class _Interpretation:
             rounds = rounds | {(dtype, node)}
         if len(region) > MAX_REGION:
             raise _Opaque(f"more than {MAX_REGION} nodes from x")
-        return Lanes(node, k, cplx, tuple(out), rounds, region)
+        return Lanes(node, k, cplx, tuple(out), rounds, region, perm)
 
     # transfer functions
     def _transfer(self, node: Node) -> Any:
@@ -450,7 +466,7 @@ class _Interpretation:
         if not shape_eq(val(node).shape, val(arg).shape):
             raise _Opaque("changes the shape of its lanes")
         polys = src.polys if fn is None else [fn(p) for p in src.polys]
-        return self.lanes(node, src.k, src.cplx, list(polys), [src])
+        return self.lanes(node, src.k, src.cplx, list(polys), [src], perm=src.perm)
 
 
 def _linear(self: _Interpretation, node: Node) -> Any:
@@ -465,10 +481,16 @@ def _linear(self: _Interpretation, node: Node) -> Any:
             raise _Opaque("adds a constant")
         return self.unary_like(node, a if isinstance(a, Node) else b, None if isinstance(a, Node) or sign == 1
                                else _neg)
+    va, vb = self.value(a), self.value(b)
+    perms = {v.perm for v in (va, vb) if isinstance(v, Lanes)}
+    if perms - {()}:  # permute(u, p) + permute(v, p): the permute of u + v
+        if len(perms) != 1 or not all(isinstance(v, Lanes) for v in (va, vb)):
+            raise _Opaque("adds values whose leading dims are permuted differently")
+        return _binary(self, node, a, b, lambda p, q: p + (q if sign == 1 else _neg(q)), perm=perms.pop())
     return _binary(self, node, a, b, lambda p, q: p + (q if sign == 1 else _neg(q)))
 
 
-def _binary(self: _Interpretation, node: Node, a: Node, b: Node, combine) -> Any:
+def _binary(self: _Interpretation, node: Node, a: Node, b: Node, combine, perm: tuple = ()) -> Any:
     k, cplx = self._k_of(a, b), self._cplx_of(node)
     out_shape = _static_shape(val(node).shape[val(node).dim() - k:])
     if out_shape is None:
@@ -487,7 +509,7 @@ def _binary(self: _Interpretation, node: Node, a: Node, b: Node, combine) -> Any
     polys = [combine(p, q) for p, q in zip(*mapped)]
     if any(len(p) > MAX_TERMS for p in polys):
         raise _Opaque(f"more than {MAX_TERMS} terms per lane")
-    return self.lanes(node, k, cplx, polys, sources)
+    return self.lanes(node, k, cplx, polys, sources, perm=perm)
 
 
 def _mul(self: _Interpretation, node: Node) -> Any:
@@ -639,7 +661,11 @@ def _permute(self: _Interpretation, node: Node) -> Any:
     perm = _permutation(node, nd)
     lead = nd - src.k
     if any(perm[d] != d for d in range(lead)):
-        raise _Opaque(f"{node.name} permutes the leading dims of x")
+        if not isinstance(self.value(node.args[0]), Lanes) or any(perm[d] != d for d in range(lead, nd)) or src.cplx:
+            raise _Opaque(f"{node.name} permutes the leading dims of x")
+        composed = tuple(src.perm[p] for p in perm[:lead]) if src.perm else tuple(perm[:lead])
+        self.permuted.append(node)  # if what reads it cannot take a permuted value, x may be node itself
+        return self.lanes(node, src.k, src.cplx, list(src.polys), [src], perm=composed)
     store = src.lane_shape + ((2,) if src.cplx else ())
     strides = _strides(store)
     order = [p - lead for p in perm[lead:]] + ([src.k] if src.cplx else [])
@@ -862,6 +888,8 @@ def _slice_scatter(self: _Interpretation, node: Node) -> Any:
 
 def _view_as_complex(self: _Interpretation, node: Node) -> Any:
     src = _lanes_of(self, node.args[0], 2)
+    if src.perm:
+        raise _Opaque(f"{node.name} reads a value whose leading dims are permuted")
     if src.cplx or src.k < 2 or src.lane_shape[-1] != 2:
         raise _Opaque(f"{node.name} views lanes that are not pairs")
     return Lanes(node, src.k - 1, True, src.polys, src.rounds, src.region | {node})
@@ -869,6 +897,8 @@ def _view_as_complex(self: _Interpretation, node: Node) -> Any:
 
 def _view_as_real(self: _Interpretation, node: Node) -> Any:
     src = _lanes_of(self, node.args[0])
+    if src.perm:
+        raise _Opaque(f"{node.name} reads a value whose leading dims are permuted")
     if not src.cplx:
         raise _Opaque("view_as_real of a real value")
     return Lanes(node, src.k + 1, False, src.polys, src.rounds, src.region | {node})
@@ -876,6 +906,8 @@ def _view_as_real(self: _Interpretation, node: Node) -> Any:
 
 def _conj(self: _Interpretation, node: Node) -> Any:
     src = _lanes_of(self, node.args[0])
+    if src.perm:
+        raise _Opaque(f"{node.name} reads a value whose leading dims are permuted")
     if not src.cplx:
         raise _Opaque("conj of a real value")
     polys = [p if i % 2 == 0 else _neg(p) for i, p in enumerate(src.polys)]
@@ -1170,6 +1202,7 @@ class Rotation:
     complex_form: bool
     chain: tuple = ()  # the nodes x goes through, unmixed, before the rotation (other sources to try)
     doubtful: bool = False  # reads [.., 2 * D] -> [.., 2, D] as pairs of halves; it may be two heads
+    lead_perm: tuple = ()  # the result is the rotation with its leading dims permuted so
 
     @property
     def width(self) -> int:
@@ -1346,7 +1379,10 @@ def classify(interp: _Interpretation, anchor: Node, value: Any, kind: str) -> Un
         if reason:
             return refuse(reason, family)
     lead = val(anchor).shape[:val(anchor).dim() - value.k]
-    if not shape_eq(lead, val(x).shape[:-1]):
+    x_lead = [val(x).shape[:-1][d] for d in value.perm] if value.perm else val(x).shape[:-1]
+    if value.perm and passthrough:
+        return refuse(f"the leading dims of the result are a permutation of {x.name}'s, its other lanes copied")
+    if not shape_eq(lead, x_lead):
         shapes = " / ".join(str(list(val(a).shape)) for t in (r1, r2) for a in t.atoms)
         return refuse(f"result shape {list(val(anchor).shape)} differs from x shape {list(val(x).shape)}: cos/sin "
                       f"{shapes} ({', '.join(a.name for t in (r1, r2) for a in t.atoms)}) are not broadcastable to x",
@@ -1355,7 +1391,7 @@ def classify(interp: _Interpretation, anchor: Node, value: Any, kind: str) -> Un
     op_dtype = functools.reduce(torch.promote_types, [x_dtype, r1.dtype, r2.dtype, _real(out_dtype)])
     complex_form = any(is_call(n, aten.view_as_complex.default) for n in region)
     return Rotation(anchor, x, s_off, s_off + w, o_s, passthrough, form, backward, (r1, r2), x_rounds, op_dtype,
-                    out_dtype, region, [], complex_form)
+                    out_dtype, region, [], complex_form, lead_perm=value.perm)
 
 
 def _signed(term) -> str:
@@ -1640,6 +1676,7 @@ class Analysis:
             value = interp.value(anchor)
             chain: tuple = ()
             # then: x read through an ambiguous view as the view itself; a node the reading stopped at
+            queue[:0] = [p for p in interp.permuted if p not in tried]  # (a permuted x read by a table product)
             if isinstance(value, Lanes):
                 queue += [v for v in interp.ambiguous if v in value.region]
                 queue += [a for n in value.region for a in n.all_input_nodes if a in interp.why]
@@ -1688,6 +1725,8 @@ class Analysis:
             for a in inputs[n]:
                 paths_to[a] = paths_to.get(a, 0) + paths_to.get(n, 0)
         total = paths_from.get(anchor, 0)
+        if not total:  # the leaf reaches the anchor only through atoms
+            return leaf, (leaf,)
         dominators = [n for n in order if n is not anchor and isinstance(val(n), torch.Tensor)
                       and paths_from.get(n, 0) * paths_to.get(n, 0) == total]
         source = leaf

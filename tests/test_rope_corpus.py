@@ -185,6 +185,14 @@ def vmapped_rope(q, k, cos, sin):
     return batched(q, cos, sin), batched(k, cos, sin)
 
 
+def vmapped_over_heads_interleaved(q, cos, sin):
+    """torch.vmap over the heads of [S, N, D] (in_dims=1, out_dims=1) of a GPT-J rotation: vmap
+    permutes x to put the heads first, and its backward permutes each term of the gradient's sum."""
+    def one(x, c, s):
+        return x * c + torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2) * s
+    return torch.vmap(one, in_dims=(1, None, None), out_dims=1)(q, cos, sin)
+
+
 def deepseek_v2_split_complex(q, k_pe, freqs_cis, nope=8):
     """DeepSeek-V2's q_pe is a split of q (not contiguous): .float().reshape(..., -1, 2) copies it
     before view_as_complex; the result is concatenated back with q_nope."""
@@ -250,6 +258,9 @@ FORMS = {  # name: (fn, make args, indices of the inputs that get gradients, for
                                      *ROPE2),
     "MLX rope (traditional=False)": (mlx_rope, lambda: (*_qk(), torch.arange(6)), (0, 1), *ROPE2),
     "torch.vmap over the batch": (vmapped_rope, lambda: (*_qk(), *_tables((6,))), (0, 1), *ROPE2),
+    "torch.vmap over the heads, interleaved": (
+        vmapped_over_heads_interleaved, lambda: (torch.randn(6, 4, 16), *_tables((6,))), (0,),
+        {"rotary_mul": 1}, {"rotary_mul_backward": 1}),
     "DeepSeek-V2 split q_pe, complex": (
         deepseek_v2_split_complex,
         lambda: (torch.randn(2, 4, 6, 24, dtype=torch.bfloat16), torch.randn(2, 1, 6, 16, dtype=torch.bfloat16),

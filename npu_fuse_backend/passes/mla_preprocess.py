@@ -134,7 +134,7 @@ class MlaPreprocessFusion(FusionPass):
 
     def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
         site = rotation.analysis(ctx.graph, ctx.kind).rotation_at(anchor)
-        if site is None or site.passthrough or site.backward:
+        if site is None or site.passthrough or site.backward or site.lead_perm:
             return None  # (the RoPE passes report a RoPE site's near-miss)
         q3 = site.x
         width = static_int(val(q3).shape[-1])

@@ -104,12 +104,14 @@ LIFT = {4: (), 3: (0,), 2: (0, 2)}
 
 def finish(b: GraphBuilder, rot: rotation.Rotation, source: Node, out: Node) -> Node:
     """The fused op's output as the anchor's value: with the lanes around it copied from x
-    (a partial RoPE), in the anchor's shape."""
+    (a partial RoPE), its leading dims permuted as the subgraph's were, in the anchor's shape."""
     if rot.passthrough:
         head_dim = rot.head_dim
         parts = [b.cast(b.call(aten.slice.Tensor, source, -1, lo, hi), rot.out_dtype)
                  for lo, hi in ((0, rot.start), (rot.end, head_dim)) if hi > lo]
         out = b.call(aten.cat.default, [*parts[:1], out, *parts[1:]] if rot.start else [out, *parts], -1)
+    if rot.lead_perm:  # the subgraph rotated x, then permuted its leading dims
+        out = b.call(aten.permute.default, out, [*rot.lead_perm, len(rot.lead_perm)])
     shape = val(rot.anchor).shape
     if len(shape) != val(out).dim():
         sizes = [static_int(s) if static_int(s) is not None else b.call(aten.sym_size.int, rot.anchor, i)
