@@ -26,6 +26,16 @@ from torch.fx import GraphModule
 from npu_fuse_backend.lowering.registry import ops_with_npu_kernels, register_npu_kernels
 
 LOWERING = "npugraph_ex"
+# npugraph_ex's CompilerConfig fields (torch_npu 2.13.0; its mode is fixed), what ``options=`` may set
+# on this lowering; tests/test_configuration.py checks the list against the wheel (compiler_config_fields).
+NPUGRAPH_EX_OPTIONS = frozenset((
+    "capture_error_mode", "capture_limit", "clone_input", "clone_output", "data_dump_dir", "data_dump_stage",
+    "deadlock_check", "disable_static_kernel_compile_cache", "dump_tensor_data", "force_eager", "force_recapture",
+    "frozen_parameter", "inplace_pass", "input_inplace_pass", "pattern_fusion_pass", "post_grad_custom_post_pass",
+    "post_grad_custom_pre_pass", "record_statistics_debug_info", "remove_cat_ops", "remove_noop_ops",
+    "reuse_graph_pool_in_same_fx", "static_kernel_compile", "super_kernel_debug_options", "super_kernel_optimize",
+    "super_kernel_optimize_options", "unsafe_skip_npugraph_capture_validation", "use_graph_pool",
+))
 
 
 def import_npugraph_ex():
@@ -116,7 +126,7 @@ def npugraph_ex_pre_pass(gm: GraphModule, example_inputs, config) -> None:
 
 def compiler_config_fields(cfg) -> list:
     """The option names of an npugraph_ex CompilerConfig (a flat object; ``mode`` is fixed)."""
-    return sorted(name for name in cfg._fixed_attrs if not name.startswith("_") and name != "mode")
+    return sorted({name for name in cfg._fixed_attrs if not name.startswith("_") and name != "mode"})
 
 
 def configured_copy(npugraph_ex, compiler_config=None, mode: Optional[str] = None, options: Optional[dict] = None):
