@@ -263,3 +263,12 @@ def test_explain_usage_errors_exit_2(argv, message, capsys):
         main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_explaining_the_model_zoo_without_transformers_says_how_to_get_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # not installed
+    assert main(["explain", "npu_fuse_backend.model_zoo:llama"]) == 1
+    (line,) = [e for e in capsys.readouterr().err.splitlines() if "raised" in e]
+    assert line.startswith("npu-fuse explain: npu_fuse_backend.model_zoo:llama() raised ModuleNotFoundError: "
+                           "npu_fuse's model zoo builds transformers' own model classes, and transformers is not "
+                           "installed: pip install 'npu-fuse[zoo]'")
