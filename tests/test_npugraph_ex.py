@@ -66,12 +66,13 @@ def mla_step():
 
 
 # -- what npugraph_ex would capture -----------------------------------------------------------------------
+@pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("soc", SOCS)
-def test_llama_inference_graph_holds_the_fused_ops(soc):
+def test_llama_inference_graph_holds_the_fused_ops(soc, dynamic):
     model, (x, pos) = llama(), hidden()
     with torch.no_grad(), nf.config.patch(soc=soc):
         expected = model(x, pos)
-        got, (capture,) = npugraph_ex_run(model, x, pos)
+        got, (capture,) = npugraph_ex_run(model, x, pos, dynamic=dynamic)
     assert capture.phase == "forward" and capture.graph_module is not None
     assert fused_names(capture) == ["rotary_mul", "rotary_mul"]
     assert [r.lowering for r in nf.get_reports()] == ["npugraph_ex"]
