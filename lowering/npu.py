@@ -278,6 +278,19 @@ def configured_copy(torchair, compiler_config=None, mode: Optional[str] = None, 
     return cfg
 
 
+def install_pre_pass(cfg, fuse: Callable) -> None:
+    """``fuse`` first in the ``post_grad_custom_pre_pass`` of a torchair or npugraph_ex CompilerConfig
+    (a copy), the pass already there after it."""
+    user_pre_pass = cfg.post_grad_custom_pre_pass.value
+
+    def pre_pass(aten_gm: GraphModule, inputs, config):
+        fuse(aten_gm, inputs, config)
+        if user_pre_pass is not None:
+            user_pre_pass(aten_gm, inputs, config)
+
+    cfg.post_grad_custom_pre_pass = pre_pass
+
+
 def compile_with_torchair(gm: GraphModule, example_inputs, graph_pass: Callable[[GraphModule, str], Any],
                           compiler_config=None, custom_decompositions: Optional[dict] = None,
                           mode: Optional[str] = None, options: Optional[dict] = None):
@@ -287,14 +300,6 @@ def compile_with_torchair(gm: GraphModule, example_inputs, graph_pass: Callable[
     load_converters()
     if "torch_npu" in sys.modules:
         register_npu_kernels()
-    user_pre_pass = cfg.post_grad_custom_pre_pass.value
-    fuse = torchair_pre_pass(graph_pass)
-
-    def pre_pass(aten_gm: GraphModule, inputs, config):
-        fuse(aten_gm, inputs, config)
-        if user_pre_pass is not None:
-            user_pre_pass(aten_gm, inputs, config)
-
-    cfg.post_grad_custom_pre_pass = pre_pass
+    install_pre_pass(cfg, torchair_pre_pass(graph_pass))
     backend = torchair.get_npu_backend(compiler_config=cfg, custom_decompositions=custom_decompositions or {})
     return backend(gm, example_inputs)

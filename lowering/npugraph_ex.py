@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.fx import GraphModule
 
+from npu_fuse_backend.lowering.npu import import_torchair, install_pre_pass
 from npu_fuse_backend.lowering.registry import ops_with_npu_kernels, register_npu_kernels
 
 LOWERING = "npugraph_ex"
@@ -38,8 +39,27 @@ NPUGRAPH_EX_OPTIONS = frozenset((
 ))
 
 
+def _torchair_first() -> None:
+    """torchair (when there is one) imported and its process-wide patches applied before npugraph_ex
+    is used, as if the GE route had run first. Each defines what the other may have defined, and only
+    torchair fails on finding it done (torch_npu 2.13.0): imported after npugraph_ex, its converters
+    cannot import their ``npu_define::broadcast`` (ImportError: cannot import name 'op_broadcast'), and
+    its first compile after npugraph_ex's registers ``aten::to.other``'s AutogradPrivateUse1 kernel again
+    (RuntimeError: Trying to override a python impl). Either would break the GE route of a process
+    that used this route first."""
+    try:
+        torchair = import_torchair()
+    except ImportError:
+        return
+    from torchair._utils import add_npu_patch  # run once; what torchair.get_npu_backend applies
+
+    add_npu_patch({}, torchair.CompilerConfig())
+
+
 def import_npugraph_ex():
-    """npugraph_ex as shipped inside torch_npu (top-level ``npugraph_ex`` when it is on the path)."""
+    """npugraph_ex as shipped inside torch_npu (top-level ``npugraph_ex`` when it is on the path),
+    torchair first (:func:`_torchair_first`)."""
+    _torchair_first()
     try:
         import npugraph_ex
     except ImportError:
@@ -157,17 +177,7 @@ def compile_with_npugraph_ex(gm: GraphModule, example_inputs, graph_pass: Callab
     """npugraph_ex's backend on a copy of ``compiler_config``, our passes first in its
     ``post_grad_custom_pre_pass`` and the caller's own after them."""
     npugraph_ex = import_npugraph_ex()
-    cfg = configured_copy(npugraph_ex, compiler_config, mode, options)
-    if "torch_npu" in sys.modules:
-        register_npu_kernels()
-    user_pre_pass = cfg.post_grad_custom_pre_pass.value
-    fuse = fusion_pre_pass(graph_pass)
-
-    def pre_pass(aten_gm: GraphModule, inputs, config):
-        fuse(aten_gm, inputs, config)
-        if user_pre_pass is not None:
-            user_pre_pass(aten_gm, inputs, config)
-
-    cfg.post_grad_custom_pre_pass = pre_pass
+    cfg = configured_copy(npugraph_ex, compiler_config, mode, options)  # a copy: the caller's stays as it is
+    install_pre_pass(cfg, fusion_pre_pass(graph_pass))
     backend = npugraph_ex.get_npu_backend(compiler_config=cfg, custom_decompositions=custom_decompositions or {})
     return backend(gm, example_inputs)

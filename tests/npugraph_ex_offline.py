@@ -20,7 +20,8 @@ replaced, and everything up to the capture runs for real:
   ``Event``/``Stream`` in annotations), is a one-stream stand-in (:func:`npu_stream_api`) while
   npugraph_ex compiles and runs a graph.
 
-At exit npugraph_ex resets Dynamo and uninstalls static kernels (importing torch_npu): that hook
+torchair is loaded first (``tests/torchair_offline.py``) and its patches applied before npugraph_ex
+is used, as npu_fuse's route does (``lowering/npugraph_ex.py``: loaded after npugraph_ex, torchair fails). At exit npugraph_ex resets Dynamo and uninstalls static kernels (importing torch_npu): that hook
 is removed; its SIGINT/SIGTERM handlers, which swallow the signal, are restored.
 """
 
@@ -34,7 +35,7 @@ import types
 
 import torch
 
-from torchair_offline import torchair_dir
+from torchair_offline import load_torchair_offline, torchair_dir
 
 
 @dataclasses.dataclass
@@ -147,6 +148,7 @@ def load_npugraph_ex_offline():
         raise FileNotFoundError(f"npugraph_ex not found under {torchair_dir()}; run `make test` to fetch it")
     if str(torchair_dir()) not in sys.path:
         sys.path.insert(0, str(torchair_dir()))
+    load_torchair_offline()  # first, as npu_fuse does (lowering/npugraph_ex.py: import_npugraph_ex)
     saved = [(s, signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM)]
     import npugraph_ex
 
@@ -174,7 +176,9 @@ def load_npugraph_ex_offline():
 
     fx2acl_converter.AclConcreteGraph.__init__ = init_with_runtime
     npu_fx_compiler._compile_py_code = compile_with_runtime
-    return npugraph_ex
+    from npu_fuse_backend.lowering.npugraph_ex import import_npugraph_ex
+
+    return import_npugraph_ex()  # as npu_fuse's route loads it: torchair's patches first
 
 
 def npugraph_ex_run(fn, *args, backend=None, dynamic=False, training=None, **compile_kwargs) -> tuple:

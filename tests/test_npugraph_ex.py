@@ -10,6 +10,7 @@ import torch
 import npu_fuse
 import npu_fuse_backend as nf
 from conftest import assert_close
+from test_inplace_graph_inputs import assign_slice
 from npu_fuse_backend.demo_models import DecoderConfig, DeepSeekMLA, LlamaModel, MLAConfig, mla_decode_inputs
 from npugraph_ex_offline import (
     CAPTURES, load_npugraph_ex_offline, npugraph_ex_available, npugraph_ex_graphs_of, npugraph_ex_run,
@@ -93,16 +94,6 @@ def test_mla_decode_step_writes_the_cache_input_itself(soc):
     assert not [n for n in capture.graph_module.graph.nodes if n.target is torch.ops.aten.copy_.default]
     assert_close(got, expected, torch.bfloat16)
     assert_close(args[4], eager_cache, torch.bfloat16)
-
-
-def rotate_every_two(x):
-    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
-
-
-def assign_slice(x, cos, sin):
-    s = x[..., 8:72]
-    x[..., 8:72] = s * cos + rotate_every_two(s) * sin
-    return cos.sum()
 
 
 @pytest.mark.parametrize("soc", SOCS)
@@ -312,3 +303,33 @@ def test_the_one_liner_for_backend_npugraph_ex():
     assert fused_names(capture) == ["rotary_mul", "rotary_mul"]
     assert [(r.lowering, len(r.matches)) for r in nf.get_reports()] == [("npugraph_ex", 2)]
     assert CAPTURES[-1] is capture
+
+
+def test_the_ge_route_still_compiles_after_the_npugraph_ex_route_in_one_process():
+    """torchair fails when npugraph_ex went first (its op_broadcast import, its aten::to.other patch):
+    npu_fuse's npugraph_ex route loads torchair and its patches first. A fresh process, this order."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    script = textwrap.dedent("""
+        import sys, torch
+        sys.path.insert(0, sys.argv[1])
+        from npugraph_ex_offline import npugraph_ex_graphs_of
+        import npu_fuse
+        from test_configuration import rope, rope_args
+        from torchair_offline import ge_graphs_of, load_torchair_offline
+        assert [len(c.graph_module.graph.nodes) > 0 for c in npugraph_ex_graphs_of(rope, *rope_args())] == [True]
+        (graph,) = ge_graphs_of(rope, *rope_args())  # torchair's real FX->GE conversion
+        torchair = load_torchair_offline()
+        with npu_fuse.config.patch(lowering="npu"):
+            torch._dynamo.reset()
+            torch.compile(rope, backend=npu_fuse.get_npu_backend(
+                compiler_config=torchair.CompilerConfig()), options={"debug.run_eagerly": True})(*rope_args())
+        print("ok", [op.type for op in graph.op if op.type.startswith("Rotary")])
+    """)
+    tests = str(Path(__file__).parent)
+    result = subprocess.run([sys.executable, "-c", script, tests], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[-2].startswith("ok ['RotaryPositionEmbedding']")
