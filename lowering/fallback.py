@@ -18,6 +18,7 @@ import importlib.util
 import inspect
 import json
 import typing
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -187,24 +188,86 @@ def _source_digest(path: Optional[str]) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else ""
 
 
+class NpuSettingIgnored(UserWarning):
+    """A torch.compile mode or option that only an NPU lowering takes, ignored by the fallback."""
+
+
+def npu_only_setting(kind: str, name: str) -> Optional[str]:
+    """What an NPU lowering makes of mode (``kind`` "mode") or option ``name``; None if none takes it."""
+    from .npu import TORCH_COMPILE_MODES, TORCHAIR_MODES, TORCHAIR_OPTIONS
+    from .npugraph_ex import LOWERING, NPUGRAPH_EX_OPTIONS
+
+    if kind == "mode":
+        if name == LOWERING:
+            return "npugraph_ex's aclgraph capture"
+        return "a torchair mode" if name in TORCHAIR_MODES or name in TORCH_COMPILE_MODES else None
+    owners = [owner for owner, names in (("torchair", TORCHAIR_OPTIONS), ("npugraph_ex", NPUGRAPH_EX_OPTIONS))
+              if name in names]
+    return f"a field of {' and '.join(owners)}'s CompilerConfig" if owners else None
+
+
+def split_npu_settings(mode: Optional[str], options: Optional[dict], takes_mode: Callable[[str], bool],
+                       takes_option: Callable[[str], bool]) -> tuple:
+    """(mode, options) left for the fallback, and a description of each NPU-only one it does not
+    take (dropped). A name no lowering takes stays, for the fallback's own check to refuse."""
+    ignored = []
+    if mode is not None and not takes_mode(mode) and npu_only_setting("mode", mode):
+        ignored.append(f"mode={mode!r} ({npu_only_setting('mode', mode)})")
+        mode = None
+    kept = {}
+    for key, value in (options or {}).items():
+        if not takes_option(key) and npu_only_setting("option", key):
+            ignored.append(f"options[{key!r}] ({npu_only_setting('option', key)})")
+        else:
+            kept[key] = value
+    return mode, kept, ignored
+
+
+def ignore_npu_settings(lowering: str, example_inputs, ignored: list) -> None:
+    """One warning naming every NPU-only setting the fallback ignores, and why it is the fallback
+    that compiles; an error under ``config.strict``."""
+    if not ignored:
+        return
+    from .. import config
+    from .npu import why_not_npu
+
+    message = (f"npu_fuse: {why_not_npu(example_inputs)}, so the fallback {lowering} compiles this graph and "
+               f"ignores what only an NPU lowering takes: {', '.join(ignored)}")
+    if config.strict:
+        raise ValueError(f"{message} (an error under config.strict)")
+    warnings.warn(message, NpuSettingIgnored, stacklevel=3)
+
+
+def _npu_names() -> list:
+    from .npu import TORCHAIR_OPTIONS
+    from .npugraph_ex import NPUGRAPH_EX_OPTIONS
+
+    return sorted(TORCHAIR_OPTIONS | NPUGRAPH_EX_OPTIONS)
+
+
 def inductor_config_patches(mode: Optional[str], options: Optional[dict]) -> dict:
     """``torch.compile``'s mode and options as inductor config patches, checked the way
     inductor's own wrapper checks them."""
     import torch._inductor
     from torch._inductor import config as inductor_config
 
+    from .npu import TORCH_COMPILE_MODES, TORCHAIR_MODES
+
     modes = torch._inductor.list_mode_options()
     if mode is not None and mode not in modes:
-        raise ValueError(f"npu_fuse: mode={mode!r} is not an inductor mode; expected one of {sorted(modes)}")
+        npu_modes = sorted((set(TORCHAIR_MODES) | set(TORCH_COMPILE_MODES)) - set(modes))
+        raise ValueError(f"npu_fuse: mode={mode!r} is not an inductor mode; expected one of {sorted(modes)} "
+                         f"(or an NPU lowering's, ignored here: {npu_modes})")
     patches = dict(modes[mode or "default"])
     known = torch._inductor.list_options()
     for key, value in (options or {}).items():
         name = key.replace("-", "_")
         if name not in known:
-            close = difflib.get_close_matches(name, known, n=5)
+            close = difflib.get_close_matches(name, [*known, *_npu_names()], n=5)
             raise ValueError(f"npu_fuse: options[{key!r}] is not an inductor option"
                              f"{f' (did you mean {close}?)' if close else ''}; the options are "
-                             "torch._inductor.list_options(), documented in torch/_inductor/config.py")
+                             "torch._inductor.list_options(), documented in torch/_inductor/config.py, and the "
+                             "fields of torchair's and npugraph_ex's CompilerConfig (ignored here)")
         expected = inductor_config.get_type(name)
         plain_type = typing.get_origin(expected) is None and isinstance(expected, type)  # generics: unchecked
         if plain_type and not isinstance(value, expected):
@@ -217,11 +280,17 @@ def inductor_config_patches(mode: Optional[str], options: Optional[dict]) -> dic
 def compile_with_inductor(gm: GraphModule, example_inputs, graph_pass: GraphPass,
                           mode: Optional[str] = None, options: Optional[dict] = None):
     """Inductor with ``mode``/``options`` applied and our passes first among the
-    post-grad pre passes (a user's own, from inductor's config or ``options``, run after)."""
+    post-grad pre passes (a user's own, from inductor's config or ``options``, run after).
+    NPU-only modes and options are ignored, with a warning."""
+    import torch._inductor
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
+    modes, known = torch._inductor.list_mode_options(), set(torch._inductor.list_options())
+    mode, options, ignored = split_npu_settings(mode, options, modes.__contains__,
+                                                lambda key: key.replace("-", "_") in known)
     patches = inductor_config_patches(mode, options)
+    ignore_npu_settings("inductor", example_inputs, ignored)
     user_passes = get_custom_graph_passes(
         patches.get("post_grad_custom_pre_pass", inductor_config.post_grad_custom_pre_pass))
     patches["post_grad_custom_pre_pass"] = [FusionPrePass(graph_pass), *user_passes]
@@ -231,10 +300,15 @@ def compile_with_inductor(gm: GraphModule, example_inputs, graph_pass: GraphPass
 
 def compile_with_aot_eager(gm: GraphModule, example_inputs, graph_pass: GraphPass,
                            mode: Optional[str] = None, options: Optional[dict] = None):
+    """aot_eager, which has nothing to configure: NPU-only modes and options are ignored with a
+    warning, any other is an error."""
+    mode, options, ignored = split_npu_settings(mode, options, lambda m: m == "default", lambda key: False)
     if mode not in (None, "default") or options:
         raise ValueError(f"npu_fuse: the aot_eager fallback has no compiler to configure, so it takes only the "
-                         f"default mode and no options (got mode={mode!r}, options={options!r}); "
-                         "use config.fallback='inductor' for inductor's modes and options")
+                         f"default mode and no options besides an NPU lowering's, which it ignores (got "
+                         f"mode={mode!r}, options={options!r}); use config.fallback='inductor' for inductor's "
+                         "modes and options")
+    ignore_npu_settings("aot_eager", example_inputs, ignored)
 
     def run_fused(aten_gm: GraphModule, inputs):
         graph_pass(aten_gm, "aot_eager")

@@ -100,3 +100,8 @@ def register_npu_kernels() -> None:
     for op, fn in _npu_kernels:
         op.register_kernel("npu", fn)
     _npu_kernels_registered = True
+
+
+def ops_with_npu_kernels() -> set:
+    """Qualified names ("npu_fuse::rotary_mul") of the fused ops that have an eager NPU kernel."""
+    return {op._qualname for op, _ in _npu_kernels}

@@ -10,7 +10,8 @@ __version__ = "0.2.0"
 
 from . import lowering  # noqa: F401  (defines the npu_fuse:: ops)
 from . import config
-from .backend import get_npu_backend, npu_fuse_backend, run_fusion_passes
+from .backend import get_npu_backend, get_npugraph_ex_backend, npu_fuse_backend, run_fusion_passes
+from .lowering.npugraph_ex import npugraph_ex_pre_pass
 from .fusion import FusionPass, Rewrite, register_fusion
 from .report import GraphReport, Match, NearMiss, clear_reports, get_reports
 
@@ -19,5 +20,6 @@ npu_fuse_backend.reset = clear_reports
 
 __all__ = [
     "__version__", "FusionPass", "GraphReport", "Match", "NearMiss", "Rewrite", "clear_reports", "config",
-    "get_npu_backend", "get_reports", "npu_fuse_backend", "register_fusion", "run_fusion_passes",
+    "get_npu_backend", "get_npugraph_ex_backend", "get_reports", "npu_fuse_backend", "npugraph_ex_pre_pass",
+    "register_fusion", "run_fusion_passes",
 ]

@@ -5,7 +5,7 @@ from typing import Optional
 
 from torch.fx import GraphModule
 
-from .lowering import fallback, npu
+from .lowering import fallback, npu, npugraph_ex
 
 from . import config
 from .fusion import PassManager
@@ -29,13 +29,16 @@ def npu_fuse_backend(gm: GraphModule, example_inputs, *, mode: Optional[str] = N
     for Ascend NPUs.
 
     With an NPU (torch_npu + torchair, tensors on "npu") the graph goes to torchair's
-    GE compiler, ``mode`` and ``options`` to its ``CompilerConfig``; elsewhere to
+    GE compiler, ``mode`` and ``options`` to its ``CompilerConfig`` (``mode="npugraph_ex"``:
+    to npugraph_ex, the fused ops as their eager NPU kernels); elsewhere to
     ``config.fallback``: inductor (``mode``/``options`` as for ``backend="inductor"``)
     or aot_eager (neither).
     """
     config.validate()
     use_npu = config.lowering == "npu" or (config.lowering == "auto" and npu.npu_usable(example_inputs))
-    if use_npu:
+    if use_npu and mode == npugraph_ex.LOWERING:
+        compiled = npugraph_ex.compile_with_npugraph_ex(gm, example_inputs, run_fusion_passes, options=options)
+    elif use_npu:
         compiled = npu.compile_with_torchair(gm, example_inputs, run_fusion_passes, mode=mode, options=options)
     elif config.fallback == "inductor":
         compiled = fallback.compile_with_inductor(gm, example_inputs, run_fusion_passes, mode=mode, options=options)
@@ -70,3 +73,32 @@ def get_npu_backend(*, compiler_config=None, custom_decompositions: Optional[dic
                                          custom_decompositions=custom_decompositions, mode=mode, options=options)
 
     return npu_fuse_torchair
+
+
+def get_npugraph_ex_backend(*, compiler_config=None, custom_decompositions: Optional[dict] = None):
+    """The npu_fuse backend on npugraph_ex with your own npugraph_ex ``CompilerConfig``, the way
+    ``npugraph_ex.get_npu_backend`` is used::
+
+        cfg = npugraph_ex.CompilerConfig()
+        cfg.frozen_parameter = True
+        model = torch.compile(model, backend=npu_fuse.get_npugraph_ex_backend(compiler_config=cfg))
+
+    It always lowers through npugraph_ex (aclgraph capture of eager NPU kernels). Each compile
+    works on a copy of ``compiler_config`` (never modified) with our passes first in its
+    ``post_grad_custom_pre_pass`` and yours after them; ``torch.compile``'s ``options`` set
+    fields of the copy.
+    """
+    ex = npugraph_ex.import_npugraph_ex()
+    if compiler_config is not None and not isinstance(compiler_config, ex.CompilerConfig):
+        raise TypeError(f"npu_fuse.get_npugraph_ex_backend: compiler_config must be an npugraph_ex CompilerConfig, "
+                        f"got {type(compiler_config).__name__}")
+
+    def npu_fuse_npugraph_ex(gm: GraphModule, example_inputs, *, mode: Optional[str] = None,
+                             options: Optional[dict] = None):
+        config.validate()
+        return npugraph_ex.compile_with_npugraph_ex(gm, example_inputs, run_fusion_passes,
+                                                    compiler_config=compiler_config,
+                                                    custom_decompositions=custom_decompositions, mode=mode,
+                                                    options=options)
+
+    return npu_fuse_npugraph_ex

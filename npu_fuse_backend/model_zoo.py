@@ -9,7 +9,7 @@ Each entry is a model factory with the contract of ``npu-fuse explain module:cal
 
 returns ``(model, inputs)``. Attention is transformers' eager implementation, so softmax
 backward is in the graph (SDPA hides it). transformers is an optional dependency: installed
-by the ``test`` extra.
+by the ``zoo`` extra (``pip install 'npu-fuse[zoo]'``) and the ``test`` extra.
 """
 
 import dataclasses
@@ -18,6 +18,17 @@ from typing import Callable
 import torch
 
 HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, VOCAB = 64, 4, 2, 128, 128
+
+
+def _import_transformers():
+    try:
+        import transformers
+    except ModuleNotFoundError as exc:
+        if exc.name != "transformers":
+            raise
+        raise ModuleNotFoundError("npu_fuse's model zoo builds transformers' own model classes, and transformers is "
+                                  "not installed: pip install 'npu-fuse[zoo]'", name="transformers") from None
+    return transformers
 
 
 @dataclasses.dataclass
@@ -31,8 +42,7 @@ class Family:
     backward: dict  # fused op -> sites per layer in the backward graph of a training step
 
     def build(self, layers: int = 1, seed: int = 0) -> torch.nn.Module:
-        import transformers
-
+        transformers = _import_transformers()
         torch.manual_seed(seed)
         config = self.config(layers)
         config._attn_implementation = "eager"

@@ -81,3 +81,14 @@ def test_a_users_lowering_and_converters_cannot_shadow_ours(installed, tmp_path)
     result = subprocess.run([sys.executable, "train.py"], cwd=user, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "ok"
+
+
+def test_wheel_ships_type_information_and_the_zoo_extra(installed):
+    (wheel,) = (installed.parent / "wheels").glob("npu_fuse-*.whl")
+    archive = zipfile.ZipFile(wheel)
+    assert {"npu_fuse/py.typed", "npu_fuse_backend/py.typed"} <= set(archive.namelist())  # PEP 561
+    (metadata,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+    requires = [line for line in archive.read(metadata).decode().splitlines() if line.startswith("Requires-Dist:")]
+    assert "Requires-Dist: transformers==5.23.0; extra == \"zoo\"" in requires
+    assert "Requires-Dist: transformers==5.23.0; extra == \"test\"" in requires
+    assert not any(line.startswith("Requires-Dist: transformers") and "extra" not in line for line in requires)

@@ -63,6 +63,13 @@ def check_interleave_rope_args(x: Tensor, cos: Tensor, sin: Tensor, name: str = 
 
 @torch.library.custom_op("npu_fuse::interleave_rope", mutates_args=())
 def interleave_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """DeepSeek's RoPE: x's interleaved pairs de-interleaved into halves, then rotated as halves.
+
+    ``out = P(x) * cos + rotate_half(P(x)) * sin`` with ``P(x) = cat(x[..., 0::2], x[..., 1::2])``:
+    pairs in, halves out (transformers' DeepSeek-V3 ``apply_rotary_pos_emb_interleave``). x: 4-D
+    [B, N, S, D]; cos, sin: x's dtype, last dim D, broadcast to x. On an NPU: torch_npu's
+    ``npu_interleave_rope`` where its limits hold; differentiable.
+    """
     check_interleave_rope_args(x, cos, sin)
     return interleave_rope_reference(x, cos, sin)
 
@@ -84,7 +91,8 @@ def _(x, cos, sin):
 
 @torch.library.custom_op("npu_fuse::interleave_rope_backward", mutates_args=())
 def interleave_rope_backward(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """dx of :func:`interleave_rope` (in x's interleaved order); it does not depend on x."""
+    """dx of :func:`interleave_rope` for the incoming ``grad``, in x's interleaved order:
+    ``interleave(grad * cos - rotate_half(grad * sin))``; it does not depend on x."""
     check_interleave_rope_args(grad, cos, sin, "npu_fuse.interleave_rope_backward")
     return interleave_rope_backward_reference(grad, cos, sin)
 

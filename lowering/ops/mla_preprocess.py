@@ -357,13 +357,34 @@ def _(input, gamma0, beta0, wdqkv, descale0, gamma1, beta1, wuq, descale1, gamma
     return input.new_empty(tokens, heads, KV_LORA, dtype=q_dtype), input.new_empty(tokens, heads, ROPE)
 
 
-def mla_preprocess(input, gamma0, beta0, wdqkv, descale0, gamma1, beta1, wuq, descale1, gamma2, cos, sin, wuk,
-                   kv_cache, kv_cache_rope, slotmapping, **kwargs):
-    """ATB's four outputs: (q_out0, kv_cache_out0, q_out1, kv_cache_out1); the cache
-    outputs are the cache inputs, updated in place."""
+def mla_preprocess(input: Tensor, gamma0: Tensor, beta0: Tensor, wdqkv: Tensor, descale0: Tensor, gamma1: Tensor,
+                   beta1: Tensor, wuq: Tensor, descale1: Tensor, gamma2: Tensor, cos: Tensor, sin: Tensor,
+                   wuk: Tensor, kv_cache: Tensor, kv_cache_rope: Tensor, slotmapping: Tensor, *,
+                   quant_scale0: Optional[Tensor] = None, quant_offset0: Optional[Tensor] = None,
+                   bias0: Optional[Tensor] = None, quant_scale1: Optional[Tensor] = None,
+                   quant_offset1: Optional[Tensor] = None, bias1: Optional[Tensor] = None,
+                   ctkv_scale: Optional[Tensor] = None, q_nope_scale: Optional[Tensor] = None,
+                   cache_mode: int = 0, quant_mode: int = 0, epsilon: float = 1e-6) -> tuple:
+    """DeepSeek's MLA attention prologue in one call, as ATB's ``npu_mla_preprocess``.
+
+    input [T, hidden] -> [RMSNorm(gamma0, beta0) + int8 quant] -> ``@ wdqkv^T`` (descale0, bias0)
+    split into the q latent [T, 1536] and kv [T, 576] -> q: RMSNorm(gamma1, beta1) [+ quant] ->
+    ``@ wuq^T`` (descale1, bias1) -> q_nope | q_rope; kv: RMSNorm(kv[:, :512]; gamma2) | k_rope ->
+    half RoPE (cos, sin [T, 64]) on q_rope and k_rope -> ``q_nope @ wuk`` ([N, 128, 512]) -> the
+    rows written into the paged caches at ``slotmapping`` (Python indexing of the cache's rows).
+    An int8 wdqkv is the w8a8 path (quant_scale*/quant_offset* the static per-tensor quant, quant_mode
+    0; 1: per-token); an fp16/bf16 wdqkv skips the input norm and quantization. cache_mode: 0
+    KVCACHE (kv_cache [blocks, block, 1, 576]), 1 KROPE_CTKV (kv_cache 512 wide, kv_cache_rope 64),
+    2 INT8_NZCACHE (ctkv_scale, q_nope_scale), 3 NZCACHE.
+
+    Returns ATB's four outputs ``(q_out0, kv_cache_out0, q_out1, kv_cache_out1)``: KVCACHE q_out0 is
+    cat(absorbed q_nope, q_rope) [T, N, 576], otherwise absorbed q_nope [T, N, 512] and q_out1 q_rope
+    [T, N, 64]; the cache outputs are the caches, updated in place. Inference only (no autograd).
+    """
     q_out0, q_out1 = torch.ops.npu_fuse.mla_preprocess(
         input, gamma0, beta0, wdqkv, descale0, gamma1, beta1, wuq, descale1, gamma2, cos, sin, wuk,
-        kv_cache, kv_cache_rope, slotmapping, **kwargs)
+        kv_cache, kv_cache_rope, slotmapping, quant_scale0, quant_offset0, bias0, quant_scale1, quant_offset1,
+        bias1, ctkv_scale, q_nope_scale, cache_mode=cache_mode, quant_mode=quant_mode, epsilon=epsilon)
     return q_out0, kv_cache, q_out1, kv_cache_rope
 
 

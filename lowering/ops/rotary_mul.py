@@ -49,6 +49,15 @@ def check_rotary_mul_args(x: Tensor, r1: Tensor, r2: Tensor, rotary_mode: str, o
 
 @torch.library.custom_op("npu_fuse::rotary_mul", mutates_args=())
 def rotary_mul(x: Tensor, r1: Tensor, r2: Tensor, rotary_mode: str = "half") -> Tensor:
+    """Rotary position embedding over the whole head dim: ``x * r1 + rotate(x) * r2``.
+
+    x: 4-D, [B, S, N, D] or [B, N, S, D], float16/bfloat16/float32, D even. r1, r2: the cos and
+    sin tables, 4-D, x's dtype, last dim D, each other dim 1 or x's (broadcast). rotary_mode:
+    "half" (``rotate_half``: ``cat(-x2, x1)`` of the two halves) or "interleave" (pairs
+    ``(x0, x1) -> (-x1, x0)``, GPT-J's ``rotate_every_two``). Returns a tensor like x.
+    fp16/bf16 are computed in fp32 and rounded once. On an NPU: torch_npu's ``npu_rotary_mul``;
+    differentiable (:func:`rotary_mul_backward`).
+    """
     check_rotary_mul_args(x, r1, r2, rotary_mode)
     return rotary_mul_reference(x, r1, r2, rotary_mode)
 
@@ -83,8 +92,12 @@ def check_rotary_mul_backward_args(grad, x, r1, r2, rotary_mode, need_backward) 
 @torch.library.custom_op("npu_fuse::rotary_mul_backward", mutates_args=())
 def rotary_mul_backward(grad: Tensor, x: Optional[Tensor], r1: Tensor, r2: Tensor, rotary_mode: str = "half",
                         need_backward: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dr1, dr2). With ``need_backward`` False only dx is computed (dr1/dr2 are
-    zeros) and x may be None: dx does not depend on x."""
+    """The gradients of :func:`rotary_mul`: ``(dx, dr1, dr2)`` for the incoming ``grad`` (x's shape).
+
+    ``dx = grad * r1 - rotate(grad * r2)``; dr1, dr2 are reduced to r1's and r2's shapes. With
+    ``need_backward`` False only dx is computed (dr1, dr2 are zeros) and x may be None: dx does
+    not depend on x. On an NPU: torch_npu's ``npu_rotary_mul_backward``.
+    """
     check_rotary_mul_backward_args(grad, x, r1, r2, rotary_mode, need_backward)
     return rotary_mul_backward_reference(grad, x, r1, r2, rotary_mode, need_backward)
 

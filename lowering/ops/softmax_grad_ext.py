@@ -44,6 +44,13 @@ def check_softmax_grad_ext_args(grad: Tensor, x1: Tensor, x2: Tensor, axes: list
     "npu_fuse::softmax_grad_ext", mutates_args=(),
     schema="(Tensor grad, Tensor x1, Tensor x2, int[] axes=[-1], bool keep_dims=True) -> Tensor")
 def softmax_grad_ext(grad: Tensor, x1: Tensor, x2: Tensor, axes=(-1,), keep_dims: bool = True) -> Tensor:
+    """Softmax backward times a scale: ``x2 * x1 * (grad - sum(grad * x1, axes, keepdim=True))``.
+
+    grad: the gradient of the softmax output; x1: the softmax output (grad's shape, 1-D to 6-D);
+    x2: the scale of the logits, a scalar tensor, shape (1,) or grad's shape; all one float dtype.
+    axes: the softmax dim, the last ([-1]); keep_dims must be True. The result is the gradient of
+    the softmax's scaled input. On an NPU: aten's softmax backward times x2 (GE: SoftmaxGradExt).
+    """
     check_softmax_grad_ext_args(grad, x1, x2, axes, keep_dims)
     return softmax_grad_ext_reference(grad, x1, x2, axes, keep_dims)
 
