@@ -35,10 +35,11 @@ $(VLLM_VENV)/.installed: setup.cfg pyproject.toml
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
-# npu_fuse inside vLLM's compile (engines started for real), and the vLLM-op fusion against vLLM's kernel
+# npu_fuse inside vLLM's compile (engines started for real), then the vLLM-op fusion and the pass
+# against vLLM's kernel and pass classes
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider -m vllm tests/test_vllm.py
-	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_rope_vllm.py
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_rope_vllm.py tests/test_vllm_pass.py
 
 bench-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) benchmarks/vllm_serving.py

@@ -131,14 +131,14 @@ def one_line(report: GraphReport) -> str:
             f"passes {report.pass_seconds * 1e3:.1f} ms")
 
 
-def compilation_config(compilation_config: Optional[dict] = None, *, report_file: Optional[str] = None,
+def compilation_config(base: Optional[dict] = None, *, report_file: Optional[str] = None,
                        **config_patches) -> dict:
-    """``compilation_config`` (a dict, as ``LLM(compilation_config=...)`` takes it) with an
+    """``base``, a vLLM compilation config (a dict, as ``LLM(compilation_config=...)`` takes it), with an
     :class:`NpuFusePass` under the running vLLM platform's pass key (``current_platform.pass_key``:
     "post_grad_custom_post_pass" in vLLM, "graph_fusion_manager" in vllm-ascend)."""
     from vllm.platforms import current_platform
 
-    result = dict(compilation_config or {})
+    result = dict(base or {})
     inductor = dict(result.get("inductor_compile_config") or {})
     key = current_platform.pass_key
     if key in inductor:
