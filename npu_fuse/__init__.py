@@ -15,7 +15,8 @@ The public API, in one place:
 - ``npu_fuse.npugraph_ex_pre_pass``: our fusions as npugraph_ex's ``post_grad_custom_pre_pass``, for
   ``backend="npugraph_ex"``;
 - ``npu_fuse.get_reports()`` / ``clear_reports()``: what each compiled graph fused, and why not;
-- ``npu_fuse.register_fusion`` / ``FusionPass`` / ``Rewrite``: adding a fusion pass.
+- ``npu_fuse.register_fusion`` / ``FusionPass`` / ``Rewrite``: adding a fusion pass;
+- ``npu_fuse.vllm``: the passes as a vLLM compile pass (loaded on first use: vLLM is optional).
 
 The implementation lives in ``npu_fuse_backend`` (the package this one re-exports);
 importing ``npu_fuse`` also makes ``TORCH_LOGS="+npu_fuse"`` a valid log name.
@@ -34,3 +35,11 @@ __all__ = [
     "get_npu_backend", "get_npugraph_ex_backend", "get_reports", "npu_fuse_backend", "npugraph_ex_pre_pass",
     "ops", "register_fusion", "run_fusion_passes",
 ]
+
+
+def __getattr__(name: str):
+    if name == "vllm":  # on first use only: it imports vLLM's pass classes
+        import importlib
+
+        return importlib.import_module("npu_fuse.vllm")
+    raise AttributeError(f"module 'npu_fuse' has no attribute {name!r}")

@@ -14,8 +14,9 @@ Inputs. The values both sides read from the rest of the graph are drawn once and
   side reads, or from constants only (``full``, ``arange``, a ``get_attr``), is computed
   from it, not drawn: the two sides then see one consistent program state;
 - floating tensors: uniform in [-1, 1]; integer tensors used as indices (``index``,
-  ``index_put``, ``index_copy``, ``scatter``...): distinct valid indices of the indexed
-  dim (negative ones too where Python indexing allows them); other integers: small
+  ``index_put``, ``index_copy``, ``scatter``..., and the arguments another library's kernels
+  index with, declared by :func:`register_opaque_indexing`): distinct valid indices of the
+  indexed dim (negative ones too where Python indexing allows them); other integers: small
   values (the full range for 8-bit types); sizes: the traced hints;
 - the tensors keep the stride order of the graph's values (expanded dims stay expanded);
 - a small subgraph runs at its own shapes; one whose inputs exceed ``FULL_SIZE_ELEMENTS``
@@ -32,7 +33,8 @@ the whole output where larger).
 
 Raising is an outcome like a value: for every index input a second and third draw put one
 index just out of range (too large, too negative), where the subgraph raises; the
-replacement must raise there too, or it would write where eager code stops the program.
+replacement must raise there too, or it would write where eager code stops the program
+(not for a kernel that does not check the range: its result there is undefined, never run).
 Where the subgraph raises on the valid draw, the replacement must too and the rewrite is
 refused as unvalidated.
 
@@ -105,6 +107,19 @@ class _IndexUse:
     bound: int  # the size of the indexed dim
     python: bool  # negative indices count from the end (index, index_put)
     indexed: tuple = ()  # the tensors indexed
+    checked: bool = True  # eager raises on an index out of range (else nothing is drawn out of range)
+
+
+# Opaque ops (another library's kernels) that index a table's rows with an integer argument:
+# {schema name: (index argument, table argument, raises out of range)}. Their index inputs get
+# valid rows; a kernel that does not check the range is never run on an index out of it.
+_OPAQUE_INDEXING: dict = {}
+
+
+def register_opaque_indexing(op_name: str, index: str, table: str, bounds_checked: bool) -> None:
+    """Tell the validator that ``op_name`` (e.g. ``"_C::rotary_embedding"``) indexes the rows of
+    its argument ``table`` with its argument ``index``."""
+    _OPAQUE_INDEXING[op_name] = (index, table, bounds_checked)
 
 
 def check_rewrite(subgraph: Iterable[Node], outputs: dict, inserted: list, seed: int = 0) -> Optional[str]:
@@ -397,7 +412,8 @@ def _index_use(leaf: Node, scope: set) -> Optional[_IndexUse]:
                 frontier.append(user)
     if not found:
         return None
-    return _IndexUse(min(u.bound for u in found), all(u.python for u in found), sum((u.indexed for u in found), ()))
+    return _IndexUse(min(u.bound for u in found), all(u.python for u in found), sum((u.indexed for u in found), ()),
+                     all(u.checked for u in found))
 
 
 def _indexing(user: Node, index: Node) -> Optional[_IndexUse]:
@@ -418,6 +434,11 @@ def _indexing(user: Node, index: Node) -> Optional[_IndexUse]:
         return None
     if target == aten.embedding.default and len(args) > 1 and args[1] is index:
         return _IndexUse(size(args[0], 0), False, (args[0],))
+    if target in (torch.ops.higher_order.auto_functionalized, torch.ops.higher_order.auto_functionalized_v2) \
+            and args and getattr(args[0], "_schema", None) is not None:
+        spec = _OPAQUE_INDEXING.get(args[0]._schema.name)
+        if spec is not None and user.kwargs.get(spec[0]) is index and isinstance(user.kwargs.get(spec[1]), Node):
+            return _IndexUse(size(user.kwargs[spec[1]], 0), False, (user.kwargs[spec[1]],), spec[2])
     return None
 
 
@@ -434,6 +455,8 @@ class _Draws:
         values = {leaf: self._draw(leaf, gen) for leaf in self.v.leaves}
         yield "valid", values
         for leaf, use in self.v.index_uses.items():
+            if not use.checked:  # eager's result out of range is undefined: nothing to compare
+                continue
             bound = self.shrink.get(use.bound, use.bound)
             for label, bad in (("too large", bound), ("too negative", -bound - 1 if use.python else -1)):
                 wrong = values[leaf].clone()
