@@ -10,7 +10,7 @@ Around them (``torchair_pre_pass``):
   so its fusions become near-misses naming the missing op and the compile goes on;
 - no copies of mutated graph inputs: in GE mode, a fused in-place op on a graph input is
   re-inplaced (``reinplace_graph_inputs``; the evidence is in
-  ``converters/inplace_partial_rotary_mul.py``).
+  ``converters/partial_rope.py``).
 
 ``torch.compile``'s ``mode`` picks torchair's mode and its ``options`` set fields of the
 ``CompilerConfig`` by dotted name (``"debug.run_eagerly"``), always on a copy of the

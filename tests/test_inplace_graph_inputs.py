@@ -1,5 +1,5 @@
 """No copy of a mutated graph input: the in-place partial RoPE on a graph input, on the GE graph after
-torchair's GE passes (the decision and its evidence: converters/inplace_partial_rotary_mul.py)."""
+torchair's GE passes (the decision and its evidence: converters/partial_rope.py)."""
 
 import pytest
 import torch

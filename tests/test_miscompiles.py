@@ -218,7 +218,7 @@ def test_zero_size_inputs_are_near_misses(fn, shapes):
 
 def test_mla_prologue_of_zero_tokens_is_a_near_miss_with_the_ops_rule():
     from npu_fuse_backend.demo_models import DeepSeekMLA, MLAConfig, mla_decode_inputs
-    from test_mla_fusion import projections_and_rope
+    from test_mla_preprocess import projections_and_rope
 
     class Prologue(DeepSeekMLA):
         def forward(self, x, cos, sin, slot_mapping, kv_cache):

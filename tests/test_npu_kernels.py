@@ -16,7 +16,7 @@ import torch
 import npu_fuse  # noqa: F401  (defines the npu_fuse:: ops)
 from conftest import assert_close
 from npu_fuse_backend.lowering import registry
-from npu_fuse_backend.lowering.rope_math import rotate
+from npu_fuse_backend.lowering.common import rotate
 from torchair_offline import TORCH_NPU_DIR
 
 SCHEMAS = TORCH_NPU_DIR / "torch_npu" / "csrc" / "aten" / "npu_native_functions_by_codegen.yaml"

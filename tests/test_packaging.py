@@ -44,8 +44,8 @@ def test_wheel_has_only_the_projects_own_top_level_names(installed):
     (wheel,) = (installed.parent / "wheels").glob("npu_fuse-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert top_level_names(names) == {"npu_fuse", "npu_fuse_backend"}
-    assert "npu_fuse_backend/lowering/ops/rotary_mul.py" in names
-    assert "npu_fuse_backend/converters/rotary_mul.py" in names
+    assert "npu_fuse_backend/lowering/ops/rope.py" in names
+    assert "npu_fuse_backend/converters/rope.py" in names
     importable = {p.name for p in installed.iterdir() if p.suffix != ".dist-info" and p.name != "bin"}
     assert importable == {"npu_fuse", "npu_fuse_backend"}
 

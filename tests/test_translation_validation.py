@@ -16,7 +16,7 @@ from npu_fuse_backend.passes.mla_preprocess import MlaPreprocessFusion
 from npu_fuse_backend.passes.partial_rope import PartialRotaryFusion
 from npu_fuse_backend.passes.rope import RotaryMulFusion
 from npu_fuse_backend.passes.softmax_grad import SoftmaxGradExtFusion
-from test_mla_fusion import decode, projections_and_rope, relative_error
+from test_mla_preprocess import decode, projections_and_rope, relative_error
 
 aten = torch.ops.aten
 DIFFERS = "replacement differs from the subgraph"

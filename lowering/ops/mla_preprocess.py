@@ -48,7 +48,7 @@ from torch import Tensor
 
 from ...soc import A2_A3, GENERIC
 from ..registry import decomposition, npu_kernel, refuse_autograd, soc_limits
-from ..rope_math import rotate
+from ..common import rotate
 
 __all__ = ["mla_preprocess"]  # public entry points (npu_fuse.ops)
 

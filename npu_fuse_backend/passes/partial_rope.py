@@ -21,7 +21,7 @@ cat: the rotation is the costly part and rotary_mul takes any layout.
 Constraints (near-misses): x 4-D, static head dim D <= 1024 and even, even slice
 length, one float dtype, cos/sin broadcastable to ``x[..., s:e]`` with last dim
 ``e - s``, no intermediate used outside. The cos/sin layouts each SoC accepts are the op's
-``@soc_limits`` (lowering/ops/inplace_partial_rotary_mul.py), checked on every rewrite.
+``@soc_limits`` (lowering/ops/partial_rope.py), checked on every rewrite.
 """
 
 import operator
@@ -33,7 +33,7 @@ from torch.fx import Node
 from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
 from ..graph_utils import aten, broadcasts_to, describe, is_call, norm_dim, rank, shape_eq, size_eq, \
     slice_scatter_args, static_int, users_outside, val
-from ..lowering.ops.inplace_partial_rotary_mul import FLOAT_DTYPES, MAX_HEAD_DIM
+from ..lowering.ops.partial_rope import FLOAT_DTYPES, MAX_HEAD_DIM
 from ..matchers import RopeSite, last_dim_cat, last_dim_piece, match_rope_site
 
 

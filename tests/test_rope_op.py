@@ -73,7 +73,7 @@ def test_backward_without_x_gives_dx_only():
 def test_gradcheck_against_finite_differences():
     x, cos, sin = (t.double().detach().requires_grad_() for t in inputs())
     # float64 is outside the op's contract; check the math through the reference kernel
-    from npu_fuse_backend.lowering.ops.rotary_mul import rotary_mul_reference
+    from npu_fuse_backend.lowering.ops.rope import rotary_mul_reference
     assert torch.autograd.gradcheck(lambda a, b, c: rotary_mul_reference(a, b, c, "interleave"), (x, cos, sin))
 
 

@@ -12,7 +12,7 @@ from torch import Tensor
 from ...graph_utils import static_int
 from ...soc import A2_A3, ASCEND950, GENERIC, fits_layout
 from ..registry import decomposition, npu_kernel, soc_limits
-from ..rope_math import ROTARY_MODES, check_one_device, compute_dtype, like, rotate
+from ..common import ROTARY_MODES, check_one_device, compute_dtype, like, rotate
 
 __all__ = ["rotary_mul", "rotary_mul_backward"]  # public entry points (npu_fuse.ops)
 

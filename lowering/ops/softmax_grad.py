@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ...soc import A2_A3
 from ..registry import decomposition, npu_kernel, soc_limits
-from ..rope_math import check_one_device, compute_dtype, like
+from ..common import check_one_device, compute_dtype, like
 
 __all__ = ["softmax_grad_ext"]  # public entry points (npu_fuse.ops)
 

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ...soc import A2_A3, ASCEND950, fits_layout
 from ..registry import decomposition, npu_kernel, refuse_autograd, soc_limits
-from ..rope_math import check_one_device, compute_dtype, rotate
+from ..common import check_one_device, compute_dtype, rotate
 
 __all__ = ["inplace_partial_rotary_mul"]  # public entry points (npu_fuse.ops)
 

@@ -11,7 +11,7 @@ multiple of 64, the product of x's dims that r1 broadcasts over <= 1024; plus ha
 no mode attr), x given and r1, r2 of one shape. Otherwise ``RotaryPositionEmbeddingGrad``, whose
 x input is optional in the op-def: without x (only dx wanted) it is left out, not faked.
 
-The per-SoC shape limits are the ops' ``@soc_limits`` (lowering/ops/rotary_mul.py).
+The per-SoC shape limits are the ops' ``@soc_limits`` (lowering/ops/rope.py).
 """
 
 from typing import Optional
