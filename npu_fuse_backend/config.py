@@ -64,7 +64,7 @@ _cache_config_ignore_prefix: list = ["max_reports"]
 def validate() -> None:
     """Check every knob; each error names the knob (and its environment variable), the
     bad value and what is allowed."""
-    from .fusion import registered_fusions
+    from .fusion import canonical_fusion_names, registered_fusions
     from .soc import KNOWN_SOCS
 
     config = sys.modules[__name__]
@@ -83,7 +83,7 @@ def validate() -> None:
         example = [n.strip() for n in disabled.split(",")] if isinstance(disabled, str) else known[:1]
         raise ValueError(f"{_knob('disabled_fusions', disabled)}: must be a list of fusion names "
                          f"(e.g. {example}), not a {type(disabled).__name__}; registered fusions: {known}")
-    unknown = [name for name in disabled if name not in known]
+    unknown = [name for name in canonical_fusion_names(disabled) if name not in known]
     if unknown:
         raise ValueError(f"{_knob('disabled_fusions', disabled)}: unknown fusion name(s) {unknown}; "
                          f"registered fusions: {known}")

@@ -15,9 +15,11 @@ replacement that computes something else than the subgraph on random inputs. A f
 check undoes that rewrite and becomes a near-miss. A pass that fails half-way leaves the
 graph exactly as it found it, with a warning (or an exception under ``config.strict``).
 
-New passes register themselves with :func:`register_fusion`; every module in
-``npu_fuse_backend/passes`` is imported on first use and ``runs_before`` orders them, so
-adding a fusion touches nothing here.
+Passes register themselves with :func:`register_fusion`; every module in
+``npu_fuse_backend/passes`` is imported on first use. The built-in passes run in the order
+of :data:`PASS_ORDER`, the one list that says it (adding a family adds one line there); a
+pass registered from outside the package runs after all of them, in registration order,
+unless it names a pass it must run before (``runs_before``).
 """
 
 import dataclasses
@@ -180,10 +182,11 @@ class Rewrite:
 class FusionPass:
     """One family of subgraphs and the fused op that replaces them."""
 
-    name: str = ""  # the name used by config.disabled_fusions
-    family: str = ""  # the family named in the report
+    name: str = ""  # the family: its name in the report and in config.disabled_fusions
     anchor_targets: tuple = ()  # the ops a match is rooted at (see ``anchors``)
-    runs_before: tuple[str, ...] = ()  # passes that must run after this one (it claims larger subgraphs)
+    # for a pass registered from outside the package: the passes it must run before (it claims
+    # larger subgraphs than they do); without any it runs after every built-in pass
+    runs_before: Union[str, tuple[str, ...]] = ()
 
     def anchors(self, ctx: PassContext) -> Iterable[Node]:
         """The nodes ``match`` looks at: by default every call of an ``anchor_targets`` op."""
@@ -194,6 +197,17 @@ class FusionPass:
         raises NotFused(reason) when it is the pattern but breaks a rule."""
         raise NotImplementedError
 
+
+# The order the built-in passes run in: each claims subgraphs that contain what later ones match.
+PASS_ORDER = (
+    "mla_preprocess",  # the whole DeepSeek MLA prologue, with the RoPE sites inside it
+    "partial_rope",  # RoPE of a slice of the head dim, before rope takes the slice's rotation alone
+    "interleave_rope",  # DeepSeek's de-interleave + half rotation, before rope takes the rotation alone
+    "rope",
+    "softmax_grad",
+)
+# old fusion names still accepted by config.disabled_fusions, with a DeprecationWarning
+RENAMED_FUSIONS = {"rope_interleave": "interleave_rope"}
 
 _registry: dict[str, type] = {}
 _discovered = False
@@ -219,22 +233,53 @@ def registered_fusions() -> dict[str, type]:
 
 
 def ordered(fusions: dict[str, type]) -> list[type]:
-    """The passes in an order that honours every ``runs_before`` (ties by name, so the
-    order never depends on import order)."""
-    after = {name: set() for name in fusions}  # name -> passes that must run before it
-    for name, cls in fusions.items():
-        for later in cls.runs_before:
-            if later in after:
-                after[later].add(name)
-    result: list[type] = []
-    while after:
-        ready = sorted(name for name, before in after.items() if not before)
-        if not ready:
-            raise ValueError(f"fusion passes {sorted(after)} have cyclic runs_before constraints")
-        result.append(fusions[ready[0]])
-        del after[ready[0]]
-        for before in after.values():
-            before.discard(ready[0])
+    """The passes in the order they run: the built-in ones as :data:`PASS_ORDER` lists them, then
+    the others in registration order, each moved just before the first pass its ``runs_before``
+    names."""
+    builtin = [name for name in fusions if _is_builtin(fusions[name])]
+    unlisted = [name for name in builtin if name not in PASS_ORDER]
+    if unlisted:
+        raise ValueError(f"built-in fusion pass(es) {unlisted} missing from fusion.PASS_ORDER")
+    order = [name for name in PASS_ORDER if name in fusions]
+    pending = [name for name in fusions if name not in order]
+    order += [name for name in pending if not _runs_before(fusions[name])]
+    pending = [name for name in pending if name not in order]
+    while pending:
+        placed = []
+        for name in pending:
+            later = _runs_before(fusions[name])
+            unknown = [n for n in later if n not in fusions]
+            if unknown:
+                raise ValueError(f"fusion pass {name!r} runs before {unknown}, which no registered fusion is "
+                                 f"named; registered fusions: {sorted(fusions)}")
+            if all(n in order for n in later):
+                order.insert(min(order.index(n) for n in later), name)
+                placed.append(name)
+        if not placed:
+            raise ValueError(f"fusion passes {sorted(pending)} have cyclic runs_before constraints")
+        pending = [name for name in pending if name not in placed]
+    return [fusions[name] for name in order]
+
+
+def _is_builtin(cls: type) -> bool:
+    return cls.__module__.startswith(f"{__package__}.passes.")
+
+
+def _runs_before(cls: type) -> tuple:
+    later = cls.runs_before
+    return (later,) if isinstance(later, str) else tuple(later)
+
+
+def canonical_fusion_names(names: Iterable[str]) -> list[str]:
+    """names with each renamed fusion's old name replaced by its new one (a DeprecationWarning each)."""
+    result = []
+    for name in names:
+        if name in RENAMED_FUSIONS:
+            new = RENAMED_FUSIONS[name]
+            warnings.warn(f"npu_fuse: fusion name {name!r} is deprecated; use {new!r}", DeprecationWarning,
+                          stacklevel=3)
+            name = new
+        result.append(name)
     return result
 
 
@@ -322,7 +367,8 @@ class PassManager:
 
     def __init__(self, passes: Optional[list[FusionPass]] = None):
         if passes is None:
-            passes = [cls() for cls in ordered(registered_fusions()) if cls.name not in config.disabled_fusions]
+            disabled = set(canonical_fusion_names(config.disabled_fusions))
+            passes = [cls() for cls in ordered(registered_fusions()) if cls.name not in disabled]
         self.passes = passes
 
     def __call__(self, gm: GraphModule, lowering: str = "", unsupported_ops: Optional[dict] = None) -> GraphReport:
@@ -391,7 +437,7 @@ class PassManager:
                     continue
                 claimed.update(inside - views)
                 shared.update(views)
-                matches.append(Match(fusion.family, rewrite.op, rewrite.anchor.name,
+                matches.append(Match(fusion.name, rewrite.op, rewrite.anchor.name,
                                      tuple(n.name for n in subgraph), rewrite.detail, **where(subgraph)))
             _erase_dead(ctx.graph, claimed | shared)
         except Exception as exc:  # a pass must never break the user's compile
@@ -433,7 +479,7 @@ class PassManager:
 
     @staticmethod
     def _near_miss(fusion: FusionPass, anchor: Node, reason: str) -> NearMiss:
-        return NearMiss(fusion.family, anchor.name, reason, **where([anchor]), nodes=involved(anchor))
+        return NearMiss(fusion.name, anchor.name, reason, **where([anchor]), nodes=involved(anchor))
 
     @staticmethod
     def _fail(what: str, exc: Exception, report: GraphReport) -> None:

@@ -140,7 +140,7 @@ def test_cache_key_follows_registered_fusions_and_the_graph_pass(monkeypatch):
     base = uuid()
 
     class NoOpFusion(FusionPass):
-        name = family = "no_op_test_fusion"
+        name = "no_op_test_fusion"
 
         def find(self, ctx):
             return []

@@ -270,13 +270,20 @@ def test_a2_a3_limits_become_near_misses_naming_the_kernel():
 
 def test_mla_prologue_pass_runs_first():
     order = [cls.name for cls in fusion.ordered(fusion.registered_fusions())]
-    assert order.index("mla_preprocess") < order.index("rope_interleave") < order.index("rope")
+    assert order.index("mla_preprocess") < order.index("interleave_rope") < order.index("rope")
 
 
 def test_disabled_by_name():
     q, k, cos, sin = qk_inputs()
-    _, reports = compile_fused(reference_interleave, q, k, cos, sin, disabled_fusions=["rope_interleave"])
+    _, reports = compile_fused(reference_interleave, q, k, cos, sin, disabled_fusions=["interleave_rope"])
     assert fused_ops(reports) == ["rotary_mul", "rotary_mul"]  # the half rotation alone, as before
+
+
+def test_disabled_by_its_old_name_with_a_deprecation_warning():
+    q, k, cos, sin = qk_inputs()
+    with pytest.warns(DeprecationWarning, match="'rope_interleave' is deprecated; use 'interleave_rope'"):
+        _, reports = compile_fused(reference_interleave, q, k, cos, sin, disabled_fusions=["rope_interleave"])
+    assert fused_ops(reports) == ["rotary_mul", "rotary_mul"]
 
 
 # -- the GE converter (torchair's real FX->GE conversion, offline) ------------------------------------

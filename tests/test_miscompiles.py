@@ -171,7 +171,7 @@ def test_fused_rope_on_a_transposed_view_keeps_the_layout_later_views_need():
 def test_a_replacement_with_other_strides_under_a_view_is_refused():
     """The core's layout check, with a pass whose replacement changes the output's strides."""
     class ContiguousCopy(fusion.FusionPass):
-        name = family = "contiguous_copy"
+        name = "contiguous_copy"
         anchor_targets = (aten.mul.Tensor,)
 
         def match(self, ctx, anchor):
@@ -244,7 +244,7 @@ def test_an_op_rejecting_what_a_pass_built_is_a_near_miss_with_the_ops_rule(monk
     """A fused op's argument check failing on the call a rewrite builds refuses that rewrite."""
     from npu_fuse_backend.passes import rope
 
-    monkeypatch.setattr(rope.RotaryMulFusion, "_check", staticmethod(lambda *args: None))
+    monkeypatch.setattr(rope.RopeFusion, "_check", staticmethod(lambda *args: None))
     args = [torch.randn(shape, dtype=torch.float64) for shape in ((2, 5, 3, 8), (1, 5, 1, 8), (1, 5, 1, 8))]
     out, reports = compile_fused(_rope, *args, strict=True)
     assert fused_ops(reports) == []

@@ -343,9 +343,9 @@ def test_report_is_logged_to_the_npu_fuse_logger(caplog):
 
 
 def _exploding_pass():
-    from npu_fuse_backend.passes.rope import RotaryMulFusion
+    from npu_fuse_backend.passes.rope import RopeFusion
 
-    class ExplodingPass(RotaryMulFusion):
+    class ExplodingPass(RopeFusion):
         """Matches like the RoPE pass, then fails while building its replacement."""
         name = "exploding"
 
@@ -408,15 +408,14 @@ def test_each_pass_sees_graph_positions_after_the_previous_passes_edits(monkeypa
     seen = []
 
     class Positions(fusion.FusionPass):
-        name = family = "positions"
+        name = "positions"
 
         def anchors(self, ctx):
             seen.append({n.name: ctx.position(n) for n in ctx.graph.nodes})
             return []
 
-    rope = type("Rope", (_rope_pass(),), {"runs_before": ("positions_after",)})
-    monkeypatch.setattr(fusion, "_registry", {"positions_before": type("Before", (Positions,), {"runs_before": ("rope",)}),
-                                              "rope": rope, "positions_after": Positions})
+    monkeypatch.setattr(fusion, "_registry", {"positions_before": type("Before", (Positions,), {"runs_before": "rope"}),
+                                              "rope": _rope_pass(), "positions_after": Positions})
     monkeypatch.setattr(fusion, "_discovered", True)
 
     def fn(q, cos, sin):
@@ -429,5 +428,5 @@ def test_each_pass_sees_graph_positions_after_the_previous_passes_edits(monkeypa
 
 
 def _rope_pass():
-    from npu_fuse_backend.passes.rope import RotaryMulFusion
-    return RotaryMulFusion
+    from npu_fuse_backend.passes.rope import RopeFusion
+    return RopeFusion

@@ -13,9 +13,9 @@ from conftest import assert_close, compile_fused, fused_ops, near_miss_reasons
 from npu_fuse_backend import fusion, validate
 from npu_fuse_backend.demo_models import DeepSeekMLA, MLAConfig
 from npu_fuse_backend.passes.mla_preprocess import MlaPreprocessFusion
-from npu_fuse_backend.passes.partial_rope import PartialRotaryFusion
-from npu_fuse_backend.passes.rope import RotaryMulFusion
-from npu_fuse_backend.passes.softmax_grad import SoftmaxGradExtFusion
+from npu_fuse_backend.passes.partial_rope import PartialRopeFusion
+from npu_fuse_backend.passes.rope import RopeFusion
+from npu_fuse_backend.passes.softmax_grad import SoftmaxGradFusion
 from test_mla_preprocess import decode, projections_and_rope, relative_error
 
 aten = torch.ops.aten
@@ -92,13 +92,13 @@ def softmax_chain(g, p):
 
 HALF_TABLES = (torch.randn(1, 5, 1, 8), torch.randn(1, 5, 1, 8))
 CASES = {
-    "rope": (RotaryMulFusion, rope, lambda: rope_args()),
-    "rope complex": (RotaryMulFusion, complex_rope,
+    "rope": (RopeFusion, rope, lambda: rope_args()),
+    "rope complex": (RopeFusion, complex_rope,
                      lambda: (torch.randn(2, 5, 3, 16), torch.polar(torch.ones(5, 1, 8), torch.randn(5, 1, 8)))),
-    "partial cat": (PartialRotaryFusion, partial_cat, lambda: (torch.randn(2, 5, 3, 16), *HALF_TABLES)),
-    "partial written back": (PartialRotaryFusion, partial_written_back,
+    "partial cat": (PartialRopeFusion, partial_cat, lambda: (torch.randn(2, 5, 3, 16), *HALF_TABLES)),
+    "partial written back": (PartialRopeFusion, partial_written_back,
                              lambda: (torch.randn(2, 5, 3, 16), *HALF_TABLES)),
-    "softmax_grad": (SoftmaxGradExtFusion, softmax_chain,
+    "softmax_grad": (SoftmaxGradFusion, softmax_chain,
                      lambda: (torch.randn(2, 4, 8), torch.randn(2, 4, 8).softmax(-1))),
 }
 
@@ -125,7 +125,7 @@ def test_the_same_wrong_replacement_would_ship_without_validation(monkeypatch, c
 
 
 def test_a_wrong_backward_rewrite_is_refused_in_a_training_graph(monkeypatch):
-    perturb(monkeypatch, RotaryMulFusion, only_op="rotary_mul_backward")
+    perturb(monkeypatch, RopeFusion, only_op="rotary_mul_backward")
     q, cos, sin = rope_args()
     leaf = q.clone().requires_grad_()
     with nf.config.patch(fallback="aot_eager"):
@@ -251,7 +251,7 @@ def test_mla_a_wrong_output_of_the_replacement_is_found_on_valid_slots(monkeypat
 def run_pass(fn, args, replacement, target):
     """Fuse fn's ``target`` node into ``replacement(b, *node.args)`` with a one-off pass."""
     class OneOff(fusion.FusionPass):
-        name = family = "one_off"
+        name = "one_off"
         anchor_targets = (target,)
 
         def match(self, ctx, anchor):
@@ -299,7 +299,7 @@ def test_large_inputs_run_on_shrunk_shapes(monkeypatch):
     out, reports = compile_fused(rope, *args)
     assert fused_ops(reports) == ["rotary_mul"]
     assert shrinks and 64 in shrinks[0] and shrinks[0][64] < 64
-    perturb(monkeypatch, RotaryMulFusion)
+    perturb(monkeypatch, RopeFusion)
     out, reports = compile_fused(rope, *args)
     assert fused_ops(reports) == [] and near_miss_reasons(reports)[0].startswith(DIFFERS)
 
@@ -355,7 +355,7 @@ def test_a_rewrite_identical_to_one_shown_equal_is_not_evaluated_again(monkeypat
 def test_a_difference_on_shrunk_shapes_that_cannot_be_confirmed_still_refuses(monkeypatch):
     monkeypatch.setattr(validate, "FULL_SIZE_ELEMENTS", 2000)
     monkeypatch.setattr(validate, "MAX_ELEMENTS", 4000)
-    perturb(monkeypatch, RotaryMulFusion)
+    perturb(monkeypatch, RopeFusion)
     out, reports = compile_fused(rope, *rope_args(seq=64))  # 6144 + 2048 input elements
     assert fused_ops(reports) == []
     assert near_miss_reasons(reports)[0].startswith(DIFFERS) and near_miss_reasons(reports)[0].endswith(

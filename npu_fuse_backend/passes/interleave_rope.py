@@ -27,9 +27,8 @@ broadcastable to x's halves (forward 5.x: D/2 wide; reference: D wide), no inter
 used outside the subgraph; the per-SoC limits of the op (A2/A3: float16/bfloat16, D = 64,
 cos/sin (B, 1, S or 1, D); no backward kernel there) are checked by the pass manager.
 
-Order: before ``rope`` (which would take the half rotation of the reference form alone).
-The MLA prologue pass claims DeepSeek's RoPE inside a full prologue and must run before
-this one; this pass is named so that it does (passes without an order constraint run by name).
+Order (``fusion.PASS_ORDER``): before ``rope`` (which would take the half rotation of the
+reference form alone), after ``mla_preprocess`` (which claims DeepSeek's RoPE inside a full prologue).
 """
 
 from typing import Optional
@@ -51,10 +50,8 @@ LIFT = {4: (), 3: (2,), 2: (1, 2)}
 class InterleaveRopeFusion(FusionPass):
     """DeepSeek's interleaved-pairs RoPE (both written forms, forward and backward) -> one op."""
 
-    name = "rope_interleave"
-    family = "rope_interleave"
+    name = "interleave_rope"
     anchor_targets = (aten.cat.default, aten.add.Tensor, *VIEWS)
-    runs_before = ("rope",)
 
     def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
         if anchor.target == aten.cat.default:

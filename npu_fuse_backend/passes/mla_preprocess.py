@@ -129,10 +129,8 @@ class MlaPreprocessFusion(FusionPass):
     """DeepSeek MLA prologue (projections, norms, RoPE, absorption, cache write) -> one op."""
 
     name = "mla_preprocess"
-    family = "mla_preprocess"
     op = "mla_preprocess"
     anchor_targets = (aten.add.Tensor,)
-    runs_before = ("partial_rope", "rope", "rope_interleave")  # they would take its two RoPE sites alone
 
     def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
         try:

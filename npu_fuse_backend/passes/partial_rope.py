@@ -66,14 +66,12 @@ def rope_on_slice(node) -> Optional[SliceRope]:
 
 
 @register_fusion
-class PartialRotaryFusion(FusionPass):
+class PartialRopeFusion(FusionPass):
     """Interleave RoPE on part of the head dim, kept or written back -> one in-place op."""
 
     name = "partial_rope"
-    family = "partial_rope"
     op = "inplace_partial_rotary_mul"
     anchor_targets = (aten.cat.default, aten.slice_scatter.default)
-    runs_before = ("rope",)  # the full-RoPE pass would otherwise take the slice's rotation alone
 
     def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
         if anchor.target == aten.cat.default:

@@ -41,11 +41,10 @@ from ..matchers import Rotation, match_rope_grad_site, match_rope_site
 
 
 @register_fusion
-class RotaryMulFusion(FusionPass):
+class RopeFusion(FusionPass):
     """Full-width RoPE on q or k, half or interleave, -> one rotary_mul."""
 
     name = "rope"
-    family = "rope"
     op = "rotary_mul"
     anchor_targets = (aten.add.Tensor, aten.view_as_real.default)
 

@@ -114,11 +114,10 @@ class SoftmaxBackward:
 
 
 @register_fusion
-class SoftmaxGradExtFusion(FusionPass):
+class SoftmaxGradFusion(FusionPass):
     """Mul -> ReduceSum -> Sub -> Mul -> Mul, or softmax backward * scale -> softmax_grad_ext."""
 
     name = "softmax_grad"
-    family = "softmax_grad"
     op = "softmax_grad_ext"
     anchor_targets = (aten.mul.Tensor, aten.div.Tensor)
 
