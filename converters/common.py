@@ -18,7 +18,7 @@ from typing import Optional, Union
 from torchair._ge_concrete_graph.compat_ir import IrDef, ge_op
 from torchair.ge._ge_graph import dont_prune_me
 
-from ..soc import resolve_soc, unknown_soc_reason
+from npu_fuse_backend.soc import resolve_soc, unknown_soc_reason
 
 GE_OPS: dict = {}  # fused op name -> {soc: tuple of GE op types, or the reason there is none}
 IN_PLACE_ON_GRAPH_INPUTS: set = set()  # fused OpOverloads (mutating) converted in place on a graph input

@@ -17,9 +17,9 @@ from torchair.ge._ge_graph import Tensor, TensorSpec
 
 from torchair.ge import attr
 
-from ..soc import A2_A3, ASCEND950, GENERIC
-from .common import declare_ge_ops, ir_op, target_soc
-from .rope import ROPE_GRAD_IR
+from npu_fuse_backend.soc import A2_A3, ASCEND950, GENERIC
+from npu_fuse_backend.converters.common import declare_ge_ops, ir_op, target_soc
+from npu_fuse_backend.converters.rope import ROPE_GRAD_IR
 
 INTERLEAVE_HALF = 3  # RotaryPositionEmbedding's mode: de-interleave the pairs, then half rotation
 NOT_PORTABLE = ("InterleaveRope exists on Atlas A2/A3 only and RotaryPositionEmbedding mode 3 on Ascend950 "

@@ -50,9 +50,9 @@ from torchair.ge import attr, custom_op
 from torchair._ge_concrete_graph.utils import specific_op_input_layout
 from torchair.ge._ge_graph import DataType, Tensor, torch_type_to_ge_type
 
-from ..lowering.ops import mla_preprocess as mla
-from ..soc import A2_A3, ASCEND950, GENERIC
-from .common import declare_ge_ops, target_soc
+from npu_fuse_backend.lowering.ops import mla_preprocess as mla
+from npu_fuse_backend.soc import A2_A3, ASCEND950, GENERIC
+from npu_fuse_backend.converters.common import declare_ge_ops, target_soc
 
 # MlaPreprocess's 24 required inputs, in op-def order
 GE_INPUTS = ("input", "gamma_0", "beta_0", "quant_scale_0", "quant_offset_0", "wdqkv", "descale_0", "bias_0",

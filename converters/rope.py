@@ -24,8 +24,8 @@ from torchair._ge_concrete_graph.supported_declaration import BF16, F16, F32, Su
 from torchair.ge import attr
 from torchair.ge._ge_graph import Tensor, TensorSpec
 
-from ..soc import A2_A3, ASCEND950, GENERIC
-from .common import declare_ge_ops, ir_op, target_soc
+from npu_fuse_backend.soc import A2_A3, ASCEND950, GENERIC
+from npu_fuse_backend.converters.common import declare_ge_ops, ir_op, target_soc
 
 MODES = {"half": 0, "interleave": 1}
 ROTARY_MUL_GRAD_MAX_BROADCAST = 1024

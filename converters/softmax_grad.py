@@ -15,8 +15,8 @@ from torchair._ge_concrete_graph.fx2ge_converter import declare_supported, regis
 from torchair._ge_concrete_graph.supported_declaration import BF16, F16, F32, Support
 from torchair.ge._ge_graph import Tensor, TensorSpec
 
-from ..soc import A2_A3, ASCEND950, GENERIC
-from .common import declare_ge_ops, target_soc
+from npu_fuse_backend.soc import A2_A3, ASCEND950, GENERIC
+from npu_fuse_backend.converters.common import declare_ge_ops, target_soc
 
 ONLY_950 = "the SoftmaxGradExt GE op exists on Ascend950 only"  # ops-nn softmax_grad_ext op-def
 declare_ge_ops("softmax_grad_ext", {

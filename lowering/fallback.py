@@ -28,7 +28,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
 from torch.fx import Graph, GraphModule, Node
 
-from .registry import DECOMPOSITIONS
+from npu_fuse_backend.lowering.registry import DECOMPOSITIONS
 
 GraphPass = Callable[[GraphModule, str], Any]
 
@@ -140,7 +140,7 @@ class FusionPrePass(CustomGraphPass):
         self.graph_pass = graph_pass
 
     def __call__(self, graph: Graph) -> None:
-        from ..report import stash_for_compile_cache
+        from npu_fuse_backend.report import stash_for_compile_cache
 
         gm = graph.owning_module
         report = self.graph_pass(gm, "inductor")
@@ -150,9 +150,9 @@ class FusionPrePass(CustomGraphPass):
     def uuid(self) -> str:
         """Changes whenever the rewritten graph could: our source, any registered fusion's
         source, the graph pass, and every config knob but the report-only ones."""
-        from .. import config
-        from ..fusion import registered_fusions
-        from ..soc import resolve_soc
+        from npu_fuse_backend import config
+        from npu_fuse_backend.fusion import registered_fusions
+        from npu_fuse_backend.soc import resolve_soc
 
         knobs = {**config.save_config_portable(), "soc": resolve_soc()}
         fusions = {name: _source_digest(inspect.getsourcefile(cls)) for name, cls in registered_fusions().items()}

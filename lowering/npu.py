@@ -30,8 +30,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from ..soc import resolve_soc, unknown_soc_reason
-from .registry import register_npu_kernels
+from npu_fuse_backend.soc import resolve_soc, unknown_soc_reason
+from npu_fuse_backend.lowering.registry import register_npu_kernels
 
 GE_MODE = "max-autotune"  # torchair's GE graph mode (reduce-overhead runs aclgraph, with eager kernels)
 
@@ -68,7 +68,7 @@ def npu_usable(example_inputs) -> bool:
 
 def load_converters() -> None:
     """Register every GE converter in ``converters/`` with torchair (idempotent)."""
-    from .. import converters
+    from npu_fuse_backend import converters
 
     for info in pkgutil.iter_modules(converters.__path__):
         importlib.import_module(f"{converters.__name__}.{info.name}")
@@ -78,7 +78,7 @@ def unsupported_ops(soc: str) -> dict:
     """{fused op name: why the torchair lowering cannot take it on ``soc`` with the installed CANN}."""
     from torchair.core import _torchair
 
-    from ..converters.common import GE_OPS
+    from npu_fuse_backend.converters.common import GE_OPS
 
     load_converters()
     reasons = {}
@@ -135,7 +135,7 @@ def reinplace_graph_inputs(gm: GraphModule) -> int:
     torchair's TensorMove copy of it never appears. Only where nothing else reads the input.
     Returns how many calls were re-inplaced.
     """
-    from ..converters.common import IN_PLACE_ON_GRAPH_INPUTS
+    from npu_fuse_backend.converters.common import IN_PLACE_ON_GRAPH_INPUTS
 
     graph = gm.graph
     count = 0

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.utils._pytree as pytree
 
-from ..soc import unknown_soc_reason
+from npu_fuse_backend.soc import unknown_soc_reason
 
 DECOMPOSITIONS: dict = {}
 SOC_LIMITS: dict = {}
@@ -78,7 +78,7 @@ def npu_kernel(op) -> Callable:
 
 
 def _op_modules() -> list:
-    from . import ops
+    from npu_fuse_backend.lowering import ops
 
     return [importlib.import_module(f"{ops.__name__}.{info.name}") for info in pkgutil.iter_modules(ops.__path__)]
 

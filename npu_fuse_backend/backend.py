@@ -5,7 +5,7 @@ from typing import Optional
 
 from torch.fx import GraphModule
 
-from .lowering import fallback, npu
+from npu_fuse_backend.lowering import fallback, npu
 
 from . import config
 from .fusion import PassManager

@@ -37,7 +37,7 @@ from torch.fx import Graph, GraphModule, Node
 from . import config
 from .canonicalize import canonicalize
 from .graph_utils import is_input_view, shape_eq, size_eq
-from .lowering.registry import SOC_LIMITS
+from npu_fuse_backend.lowering.registry import SOC_LIMITS
 from .report import GraphReport, Match, NearMiss, graph_frame, involved, log_graph, new_report, publish, where
 from .soc import resolve_soc
 from .validate import check_rewrite

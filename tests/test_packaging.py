@@ -81,3 +81,15 @@ def test_a_users_lowering_and_converters_cannot_shadow_ours(installed, tmp_path)
     result = subprocess.run([sys.executable, "train.py"], cwd=user, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "ok"
+
+
+def test_an_uninstalled_checkout_says_to_install_it(tmp_path):
+    """lowering/ and converters/ join the package only when installed: importing the package from a
+    checkout's folder says so (not Python's "most likely due to a circular import")."""
+    shutil.copytree(REPO / "npu_fuse_backend", tmp_path / "npu_fuse_backend", ignore=NOT_SOURCES)
+    not_installed = "import sys; sys.meta_path = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]"
+    result = subprocess.run([sys.executable, "-c", f"{not_installed}; import npu_fuse_backend"], cwd=tmp_path,
+                            capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "npu_fuse_backend.lowering is not installed" in result.stderr and "pip install -e ." in result.stderr
+    assert "circular import" not in result.stderr

@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..registry import decomposition, npu_kernel, soc_limits
-from ..common import compute_dtype, rotate
-from ...soc import A2_A3, ASCEND950, GENERIC, resolve_soc
+from npu_fuse_backend.lowering.registry import decomposition, npu_kernel, soc_limits
+from npu_fuse_backend.lowering.common import compute_dtype, rotate
+from npu_fuse_backend.soc import A2_A3, ASCEND950, GENERIC, resolve_soc
 
 __all__ = ["interleave_rope", "interleave_rope_backward"]  # public entry points (npu_fuse.ops)
 

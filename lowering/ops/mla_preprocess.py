@@ -46,9 +46,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ...soc import A2_A3, GENERIC
-from ..registry import decomposition, npu_kernel, refuse_autograd, soc_limits
-from ..common import rotate
+from npu_fuse_backend.soc import A2_A3, GENERIC
+from npu_fuse_backend.lowering.registry import decomposition, npu_kernel, refuse_autograd, soc_limits
+from npu_fuse_backend.lowering.common import rotate
 
 __all__ = ["mla_preprocess"]  # public entry points (npu_fuse.ops)
 
@@ -448,7 +448,7 @@ def mla_preprocess_npu(a: dict) -> tuple:
     scatter its rows into the real caches with Python indexing; the NZ modes get their slots
     wrapped into range. Off the Atlas A2/A3 family (no ATB kernel) or with another epsilon,
     the reference kernel runs on the NPU."""
-    from ...soc import resolve_soc
+    from npu_fuse_backend.soc import resolve_soc
 
     check_mla_preprocess_args(a)
     if resolve_soc() not in A2_A3 or a["epsilon"] != ATB_EPSILON:

@@ -15,9 +15,9 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from ...soc import A2_A3, ASCEND950, fits_layout
-from ..registry import decomposition, npu_kernel, refuse_autograd, soc_limits
-from ..common import check_one_device, compute_dtype, rotate
+from npu_fuse_backend.soc import A2_A3, ASCEND950, fits_layout
+from npu_fuse_backend.lowering.registry import decomposition, npu_kernel, refuse_autograd, soc_limits
+from npu_fuse_backend.lowering.common import check_one_device, compute_dtype, rotate
 
 __all__ = ["inplace_partial_rotary_mul"]  # public entry points (npu_fuse.ops)
 

@@ -9,10 +9,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ...graph_utils import static_int
-from ...soc import A2_A3, ASCEND950, GENERIC, fits_layout
-from ..registry import decomposition, npu_kernel, soc_limits
-from ..common import ROTARY_MODES, check_one_device, compute_dtype, like, rotate
+from npu_fuse_backend.graph_utils import static_int
+from npu_fuse_backend.soc import A2_A3, ASCEND950, GENERIC, fits_layout
+from npu_fuse_backend.lowering.registry import decomposition, npu_kernel, soc_limits
+from npu_fuse_backend.lowering.common import ROTARY_MODES, check_one_device, compute_dtype, like, rotate
 
 __all__ = ["rotary_mul", "rotary_mul_backward"]  # public entry points (npu_fuse.ops)
 

@@ -7,9 +7,9 @@ output, x2 a scale (scalar-like or grad's shape). GE: ``SoftmaxGradExt``.
 import torch
 from torch import Tensor
 
-from ...soc import A2_A3
-from ..registry import decomposition, npu_kernel, soc_limits
-from ..common import check_one_device, compute_dtype, like
+from npu_fuse_backend.soc import A2_A3
+from npu_fuse_backend.lowering.registry import decomposition, npu_kernel, soc_limits
+from npu_fuse_backend.lowering.common import check_one_device, compute_dtype, like
 
 __all__ = ["softmax_grad_ext"]  # public entry points (npu_fuse.ops)
 

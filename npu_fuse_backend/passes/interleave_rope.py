@@ -38,7 +38,7 @@ from torch.fx import Node
 
 from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
 from ..graph_utils import VIEWS, aten, broadcasts_to, describe, rank, shape_eq, static_int, users_outside, val
-from ..lowering.ops.interleave_rope import FLOAT_DTYPES
+from npu_fuse_backend.lowering.ops.interleave_rope import FLOAT_DTYPES
 from ..matchers import (PairsToHalfRope, deinterleaved, match_pairs_to_half_rope, match_pairs_to_half_rope_backward,
                         match_rope_grad_site, match_rope_site, reinterleaved)
 

@@ -41,7 +41,7 @@ from torch.fx import Node
 
 from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
 from ..graph_utils import VIEWS, aten, is_call, rank, shape_eq, static_int, users_outside, val
-from ..lowering.ops import mla_preprocess as mla
+from npu_fuse_backend.lowering.ops import mla_preprocess as mla
 from ..matchers import (
     Linear, RmsNorm, RopeSite, deinterleaved, last_dim_piece, match_linear, match_rms_norm, match_rope_site,
     pieces_of, swaps_01,

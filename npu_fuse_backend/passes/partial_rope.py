@@ -33,7 +33,7 @@ from torch.fx import Node
 from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
 from ..graph_utils import aten, broadcasts_to, describe, is_call, norm_dim, rank, shape_eq, size_eq, \
     slice_scatter_args, static_int, users_outside, val
-from ..lowering.ops.partial_rope import FLOAT_DTYPES, MAX_HEAD_DIM
+from npu_fuse_backend.lowering.ops.partial_rope import FLOAT_DTYPES, MAX_HEAD_DIM
 from ..matchers import RopeSite, last_dim_cat, last_dim_piece, match_rope_site
 
 

@@ -36,7 +36,7 @@ from torch.fx import Node
 from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
 from ..graph_utils import VIEWS, aten, broadcasts_to, describe, is_call, rank, shape_eq, size_eq, static_int, \
     users_outside, val
-from ..lowering.ops.rope import FLOAT_DTYPES
+from npu_fuse_backend.lowering.ops.rope import FLOAT_DTYPES
 from ..matchers import Rotation, match_rope_grad_site, match_rope_site
 
 

@@ -31,7 +31,7 @@ from torch.fx import Node
 
 from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
 from ..graph_utils import aten, describe, is_call, norm_dim, static_int, users_outside, val
-from ..lowering.ops.softmax_grad import FLOAT_DTYPES
+from npu_fuse_backend.lowering.ops.softmax_grad import FLOAT_DTYPES
 from ..matchers import LayoutPath, binary_operands, scalar_like, through_layout, written_back
 
 Scalar = (int, float)
