@@ -10,10 +10,10 @@ The :class:`PassManager` canonicalizes the graph, runs the passes in their decla
 order, applies each pass's rewrites through a journal and checks each rewrite before it
 stays: a fused-op call the lowering cannot convert, or whose arguments break that op's
 argument checks or its limits on the target SoC; a replacement whose strides differ where
-a later view reads them; and (``config.translation_validation``, ``validate.py``) a
+a later view reads them; and (``translation_validation``, ``validate.py``) a
 replacement that computes something else than the subgraph on random inputs. A failed
 check undoes that rewrite and becomes a near-miss. A pass that fails half-way leaves the
-graph exactly as it found it, with a warning (or an exception under ``config.strict``).
+graph exactly as it found it, with a warning (or an exception under ``strict``).
 
 Passes register themselves with :func:`register_fusion`; every module in
 ``npu_fuse_backend/passes`` is imported on first use. The built-in passes run in the order
@@ -39,7 +39,7 @@ from .canonicalize import canonicalize
 from .graph_utils import is_input_view, shape_eq, size_eq
 from npu_fuse_backend.lowering.registry import SOC_LIMITS
 from .report import GraphReport, Match, NearMiss, graph_frame, involved, log_graph, new_report, publish, where
-from .soc import resolve_soc
+from .soc import KNOWN_SOCS, resolve_soc
 from .validate import check_rewrite
 
 log = logging.getLogger("npu_fuse")
@@ -283,6 +283,42 @@ def canonical_fusion_names(names: Iterable[str]) -> list[str]:
     return result
 
 
+def check_config() -> None:
+    """Check every knob (``config.validate``, and here those whose values the package defines: the
+    SoCs, the registered fusions); each error names the knob, the value and what is allowed."""
+    config.validate()
+    config.require_one_of("soc", config.soc, ("auto", *KNOWN_SOCS))
+    disabled = config.disabled_fusions
+    known = sorted(registered_fusions())
+    if not isinstance(disabled, (list, tuple, set, frozenset)):
+        example = [n.strip() for n in disabled.split(",")] if isinstance(disabled, str) else known[:1]
+        raise ValueError(f"{config.knob('disabled_fusions', disabled)}: must be a list of fusion names "
+                         f"(e.g. {example}), not a {type(disabled).__name__}; registered fusions: {known}")
+    unknown = [name for name in canonical_fusion_names(disabled) if name not in known]
+    if unknown:
+        raise ValueError(f"{config.knob('disabled_fusions', disabled)}: unknown fusion name(s) {unknown}; "
+                         f"registered fusions: {known}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionSettings:
+    """The config values a :class:`PassManager` runs with, taken once: a snapshot, so a
+    ``config.patch`` that ends (or begins) later does not change them. Take one with
+    :meth:`from_config` where a compile starts and pass it to every graph of that compile."""
+
+    soc: str = "auto"  # config.soc: "auto" (the NPU's own, else "generic"), "generic" or a named SoC
+    disabled_fusions: frozenset = frozenset()  # fusion names (current ones; old names are mapped)
+    strict: bool = False  # raise instead of warning when a pass fails internally
+    translation_validation: bool = True  # check every rewrite on random inputs (validate.py)
+
+    @classmethod
+    def from_config(cls) -> "FusionSettings":
+        """The current config, checked (:func:`check_config`)."""
+        check_config()
+        return cls(soc=config.soc, disabled_fusions=frozenset(canonical_fusion_names(config.disabled_fusions)),
+                   strict=config.strict, translation_validation=config.translation_validation)
+
+
 def graph_kind(graph: Graph) -> str:
     names = [n.name for n in graph.nodes if n.op == "placeholder"]
     if any(name.startswith("tangents") for name in names):
@@ -363,12 +399,13 @@ def fused_calls(nodes: Iterable[Node]) -> list[tuple]:
 
 
 class PassManager:
-    """Runs the enabled fusion passes over one aten graph and reports on it."""
+    """Runs the enabled fusion passes over one aten graph and reports on it, with the config values
+    of ``settings`` (default: the config now); it reads no global config itself."""
 
-    def __init__(self, passes: Optional[list[FusionPass]] = None):
+    def __init__(self, passes: Optional[list[FusionPass]] = None, settings: Optional[FusionSettings] = None):
+        self.settings = settings if settings is not None else FusionSettings.from_config()
         if passes is None:
-            disabled = set(canonical_fusion_names(config.disabled_fusions))
-            passes = [cls() for cls in ordered(registered_fusions()) if cls.name not in disabled]
+            passes = [cls() for cls in ordered(registered_fusions()) if cls.name not in self.settings.disabled_fusions]
         self.passes = passes
 
     def __call__(self, gm: GraphModule, lowering: str = "", unsupported_ops: Optional[dict] = None) -> GraphReport:
@@ -380,7 +417,7 @@ class PassManager:
         if fake_mode is None:
             report.errors.append("graph has no fake-tensor metadata; nothing fused")
         else:
-            soc = resolve_soc()
+            soc = resolve_soc(self.settings.soc)
             changed = self._canonicalize(graph, report)
             for fusion in self.passes:  # a fresh context each: the previous pass may have edited the graph
                 ctx = PassContext(graph, soc, report.kind, fake_mode, dict(unsupported_ops or {}))
@@ -461,8 +498,7 @@ class PassManager:
                 return f"{name} on {ctx.soc}: {reason}"
         return None
 
-    @staticmethod
-    def _differs(subgraph: list[Node], outputs: dict, inserted: list[Node]) -> Optional[str]:
+    def _differs(self, subgraph: list[Node], outputs: dict, inserted: list[Node]) -> Optional[str]:
         """Why the replacement does not stand in for the subgraph: a layout a later view relies on,
         or (translation validation) different values on random inputs."""
         for old, new in outputs.items():
@@ -473,7 +509,7 @@ class PassManager:
                 if viewer is not None:
                     return (f"the replacement of {old.name} has strides {list(after.stride())}, not "
                             f"{list(before.stride())}, and {viewer.name} views it")
-        if config.translation_validation:
+        if self.settings.translation_validation:
             return check_rewrite(subgraph, outputs, inserted)
         return None
 
@@ -481,10 +517,9 @@ class PassManager:
     def _near_miss(fusion: FusionPass, anchor: Node, reason: str) -> NearMiss:
         return NearMiss(fusion.name, anchor.name, reason, **where([anchor]), nodes=involved(anchor))
 
-    @staticmethod
-    def _fail(what: str, exc: Exception, report: GraphReport) -> None:
+    def _fail(self, what: str, exc: Exception, report: GraphReport) -> None:
         message = f"{what} failed and left the graph unfused: {exc!r}"
-        if config.strict:
+        if self.settings.strict:
             raise FusionError(message) from exc
         warnings.warn(message, RuntimeWarning, stacklevel=3)
         log.warning("%s", message, exc_info=True)

@@ -129,6 +129,28 @@ def test_the_old_name_of_interleave_rope_disables_it_with_a_deprecation_warning(
         assert fusion.canonical_fusion_names(["rope", "rope_interleave"]) == ["rope", "interleave_rope"]
 
 
+# -- the config a manager runs with ------------------------------------------------------------
+def test_the_manager_runs_with_the_settings_it_receives_not_the_config_now():
+    gm = make_fx(rope, tracing_mode="fake")(*rope_args())
+    disabled = fusion.FusionSettings(disabled_fusions=frozenset({"rope"}))
+    with nf.config.patch(disabled_fusions=[]):
+        assert nf.run_fusion_passes(gm, settings=disabled).matches == []
+    with nf.config.patch(disabled_fusions=["rope"]):
+        manager = fusion.PassManager(settings=fusion.FusionSettings())
+        assert fused_ops([manager(gm)]) == ["rotary_mul"]
+
+
+def test_settings_from_config_are_a_checked_snapshot():
+    with nf.config.patch(soc="Ascend950", disabled_fusions=["rope_interleave"], strict=True,
+                         translation_validation=False), pytest.warns(DeprecationWarning):
+        settings = fusion.FusionSettings.from_config()
+    assert settings == fusion.FusionSettings(soc="Ascend950", disabled_fusions=frozenset({"interleave_rope"}),
+                                             strict=True, translation_validation=False)
+    with nf.config.patch(soc="Ascend9000"), pytest.raises(ValueError, match=r"config.soc='Ascend9000' \(env "
+                                                                            r"NPU_FUSE_SOC\): expected one of"):
+        fusion.FusionSettings.from_config()
+
+
 # -- the checks every rewrite goes through ------------------------------------------------------
 def test_a_soc_limit_of_the_fused_op_turns_the_rewrite_into_a_near_miss(monkeypatch):
     seen = []
