@@ -26,8 +26,7 @@ NOT_PORTABLE = ("InterleaveRope exists on Atlas A2/A3 only and RotaryPositionEmb
                 "only; a generic GE graph uses only ops every SoC has")
 declare_ge_ops("interleave_rope", {**{soc: ("InterleaveRope",) for soc in A2_A3},
                                    ASCEND950: ("RotaryPositionEmbedding",), GENERIC: NOT_PORTABLE})
-declare_ge_ops("interleave_rope_backward", {
-    **{soc: f"no GE op computes the interleave-half RoPE gradient on {soc}" for soc in A2_A3},
+declare_ge_ops("interleave_rope_backward", {  # A2/A3: the op's unavailable_on
     ASCEND950: ("RotaryPositionEmbeddingGrad",), GENERIC: NOT_PORTABLE})
 
 

@@ -90,6 +90,16 @@ class ArgumentsRefused(Exception):
     """A fused op's argument check refused the call a rewrite was building (a near-miss)."""
 
 
+def check_op_args(check: Callable, *args, **kwargs) -> None:
+    """Run a fused op's own argument checker on the (fake) arguments a rewrite would give it; its
+    ValueError, naming the rule, becomes the near-miss. A pass restates no rule of its op: it asks
+    the op (and the builder asks it again on every call it emits, see :class:`GraphBuilder`)."""
+    try:
+        check(*args, **kwargs)
+    except ValueError as refused:
+        raise NotFused(str(refused)) from None
+
+
 @dataclasses.dataclass
 class PassContext:
     """What a pass may read while matching one graph."""
@@ -111,6 +121,9 @@ class PassContext:
 
 class GraphBuilder:
     """Emits replacement nodes before an anchor and gives each one ``meta["val"]``.
+
+    A fused-op call runs the op's fake kernel, and so its argument checker: a refusal undoes
+    the rewrite and is the near-miss reason (:class:`ArgumentsRefused`).
 
     Arguments that are nodes already replaced by an earlier rewrite of the same
     pass are mapped to their replacements, so chained matches stay consistent.
@@ -159,6 +172,20 @@ class GraphBuilder:
         """node in dtype (node itself when it already is)."""
         return node if node.meta["val"].dtype == dtype else self.call(torch.ops.aten._to_copy.default, node,
                                                                          dtype=dtype)
+
+
+class FakeValues:
+    """The fake values of what a :class:`GraphBuilder` would emit, and nothing emitted: a pass that
+    builds a fused op's arguments with ``b.call`` can compute them at match time with this (to ask
+    the op about them, :func:`check_op_args`) and build them later with the same code."""
+
+    def __init__(self, fake_mode: Any):
+        self.fake_mode = fake_mode
+
+    def call(self, target: Callable, *args, **kwargs) -> Any:
+        args, kwargs = torch.fx.map_arg((args, kwargs), lambda n: n.meta["val"])
+        with self.fake_mode:
+            return target(*args, **kwargs)
 
 
 @dataclasses.dataclass

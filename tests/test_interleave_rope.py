@@ -10,7 +10,7 @@ from torch.library import opcheck
 import npu_fuse_backend as nf
 from conftest import assert_close, compile_fused, fused_ops, near_miss_reasons
 from npu_fuse_backend import fusion
-from npu_fuse_backend.lowering.ops.interleave_rope import interleave_rope_limits
+from npu_fuse_backend.lowering.registry import SOC_LIMITS
 
 interleave_rope = torch.ops.npu_fuse.interleave_rope
 interleave_rope_backward = torch.ops.npu_fuse.interleave_rope_backward
@@ -129,7 +129,7 @@ def test_argument_errors_name_the_rule(change, message):
 ])
 def test_soc_limits(soc, dtype, x_shape, cos_shape, op, reason):
     x, cos = torch.empty(x_shape, dtype=dtype), torch.empty(cos_shape, dtype=dtype)
-    got = interleave_rope_limits(soc, x, cos, cos, op=op)
+    got = SOC_LIMITS[getattr(torch.ops.npu_fuse, op).default](soc, x, cos, cos)
     if reason is None:
         assert got is None
     else:

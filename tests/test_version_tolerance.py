@@ -71,6 +71,24 @@ def test_unsupported_ops_lists_what_the_installed_cann_lacks():
     assert "unrecognised NPU" in unsupported_ops("Ascend310P3")["rotary_mul"]
 
 
+def test_a_soc_without_the_ops_kernel_is_said_once_beside_the_op():
+    """The converter's table takes the SoCs where the op has no kernel from the op
+    (``unavailable_on``) with the op's reason, and refuses to restate them."""
+    from torchair_offline import load_torchair_offline
+
+    load_torchair_offline()
+    from npu_fuse_backend.converters.common import GE_OPS, declare_ge_ops
+    from npu_fuse_backend.lowering.registry import UNAVAILABLE, SOC_LIMITS
+
+    op = torch.ops.npu_fuse.softmax_grad_ext.default
+    g = torch.empty(2, 8, device="meta")
+    for soc, reason in UNAVAILABLE[op].items():
+        assert GE_OPS["softmax_grad_ext"][soc] == reason == SOC_LIMITS[op](soc, g, g, g)
+    with pytest.raises(ValueError, match=r"\['Ascend910B'\] are the op's unavailable_on SoCs"):
+        declare_ge_ops("softmax_grad_ext", {"Ascend910B": "again"})
+    assert GE_OPS["softmax_grad_ext"]["Ascend910B"] != "again"
+
+
 def test_without_rotary_mul_the_rope_fusion_is_a_near_miss_and_the_graph_converts():
     q, cos, sin = torch.randn(2, 16, 4, 128), torch.randn(1, 16, 1, 128), torch.randn(1, 16, 1, 128)
     with hidden_ops("RotaryMul"):

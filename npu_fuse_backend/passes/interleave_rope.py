@@ -22,10 +22,12 @@ gradient re-interleaved by ``view(..., 2, D/2).transpose(-1, -2).reshape(..., D)
 becomes ``interleave_rope_backward(g, cos, sin)``.
 
 Constraints (near-misses): x 2-D to 4-D (``[T, D]`` and ``[T, N, D]`` are lifted to
-``(B, N, S, D)`` with S = 1), static even head dim, float16/bfloat16/float32, cos/sin
-broadcastable to x's halves (forward 5.x: D/2 wide; reference: D wide), no intermediate
-used outside the subgraph; the per-SoC limits of the op (A2/A3: float16/bfloat16, D = 64,
-cos/sin (B, 1, S or 1, D); no backward kernel there) are checked by the pass manager.
+``(B, N, S, D)`` with S = 1), static head dim, each half's table (forward 5.x: D/2 wide)
+broadcastable to x's half, no intermediate used outside the subgraph, and the op's own argument
+rules (``check_interleave_rope_args``: even head dim, float16/bfloat16/float32, full-width cos/sin
+broadcastable to x), which the op checks on the call the rewrite builds; the per-SoC limits of
+the op (A2/A3: float16/bfloat16, D = 64, cos/sin (B, 1, S or 1, D); no backward kernel there)
+are checked by the pass manager.
 
 Order (``fusion.PASS_ORDER``): before ``rope`` (which would take the half rotation of the
 reference form alone), after ``mla_preprocess`` (which claims DeepSeek's RoPE inside a full prologue).
@@ -38,7 +40,6 @@ from torch.fx import Node
 
 from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
 from ..graph_utils import VIEWS, aten, broadcasts_to, describe, rank, shape_eq, static_int, users_outside, val
-from npu_fuse_backend.lowering.ops.interleave_rope import FLOAT_DTYPES
 from ..matchers import (PairsToHalfRope, deinterleaved, match_pairs_to_half_rope, match_pairs_to_half_rope_backward,
                         match_rope_grad_site, match_rope_site, reinterleaved)
 
@@ -108,20 +109,14 @@ class InterleaveRopeFusion(FusionPass):
         head_dim = static_int(xv.shape[-1])
         if head_dim is None:
             raise NotFused(f"head dim of {x.name} is symbolic ({xv.shape[-1]}); interleave_rope needs a static one")
-        if head_dim % 2:
-            raise NotFused(f"head dim {head_dim} is odd")
-        for name, t in (("x", x), ("result", anchor)):
-            if val(t).dtype not in FLOAT_DTYPES:
-                raise NotFused(f"{name} {t.name} has dtype {val(t).dtype}; interleave_rope takes float16, "
-                               "bfloat16 or float32")
         if not shape_eq(val(anchor).shape, xv.shape):
             raise NotFused(f"result shape {list(val(anchor).shape)} differs from x shape {list(xv.shape)}")
         for name, table in zip(("cos", "sin"), tables):
-            width = head_dim // len(table.nodes)  # full width, or each half's
+            if len(table.nodes) == 1:  # a full-width table: the op's to check
+                continue
+            width = head_dim // 2  # each half's table, concatenated into the op's
             for node in table.nodes:
                 tv = val(node)
-                if tv.dtype not in FLOAT_DTYPES:
-                    raise NotFused(f"{name} {node.name} has dtype {tv.dtype}")
                 shape = [*xv.shape[:-1], width]
                 if tv.dim() > xv.dim() or not broadcasts_to(tv.shape, shape) or static_int(tv.shape[-1]) != width:
                     raise NotFused(f"{name} {node.name} shape {list(tv.shape)} does not broadcast to {shape} "

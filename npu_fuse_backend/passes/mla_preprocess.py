@@ -34,12 +34,13 @@ pass manager against the op's ``@soc_limits``.
 
 import dataclasses
 import operator
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch.fx import Node
 
-from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
+from ..fusion import FakeValues, FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, check_op_args, \
+    register_fusion
 from ..graph_utils import VIEWS, aten, is_call, rank, shape_eq, static_int, users_outside, val
 from npu_fuse_backend.lowering.ops import mla_preprocess as mla
 from ..matchers import (
@@ -157,9 +158,6 @@ class MlaPreprocessFusion(FusionPass):
     def _match(self, ctx, q_rope_add, q_site: RopeSite, q_piece, deinterleave) -> Rewrite:
         q3 = q_piece.source
         nodes = [q_rope_add, *q_site.nodes, *q_piece.nodes, *deinterleave]
-        dtype = val(q3).dtype
-        if dtype not in mla.FLOAT_DTYPES:
-            raise NotFused(f"{_dtype_name(dtype)} is not a dtype of the op (float16, bfloat16)")
         nope, rope = q_piece.start, q_piece.end - q_piece.start
         if rope != mla.ROPE:
             raise NotFused(f"stage 7: q rope dim {rope} (of a {nope + rope}-wide q head); the op takes {mla.ROPE}")
@@ -222,7 +220,8 @@ class MlaPreprocessFusion(FusionPass):
                             w_uk=absorbed.w_uk, cos=k_rope.cos, sin=k_rope.sin, cache=cache_write.cache,
                             slots=cache_write.slots, python_indexes=cache_write.python_indexes, heads=heads,
                             eps=eps.pop(), permute=bool(deinterleave))
-        _check_op_contract(ctx, prologue)
+        arguments = {name: val(value) for name, value in _op_arguments(FakeValues(ctx.fake_mode), prologue).items()}
+        check_op_args(mla.check_mla_preprocess_args, mla.bind_args((), arguments))
         anchor = min([q_out, cache_write.new_cache], key=ctx.position)
         late = [n for n in prologue.inputs() if ctx.position(n) > ctx.position(anchor)]
         if late:
@@ -342,40 +341,6 @@ class MlaPreprocessFusion(FusionPass):
         raise NotFused("stage 8 (weight absorption q_nope @ W_UK, then cat with q_rope) not found")
 
 
-def _check_op_contract(ctx: PassContext, p: Prologue) -> None:
-    """The op's own argument rules on the replacement's (fake) arguments: a near-miss naming the
-    rule instead of a failed rewrite."""
-    x = val(p.x)
-
-    def fake(shape, dtype):
-        with ctx.fake_mode:
-            return torch.empty(shape, dtype=dtype, device=x.device)
-
-    def weight(lin: Linear):
-        w = val(lin.w)
-        return w.t() if lin.in_out else w
-
-    hidden = x.shape[-1]
-    a: dict[str, Any] = dict(
-        input=x, wdqkv=weight(p.qkv_lin), wuq=weight(p.q_lin), gamma1=val(p.norm1.gamma), gamma2=val(p.ctkv.gamma),
-        beta1=val(p.norm1.beta) if p.norm1.beta is not None else fake([mla.Q_LORA], x.dtype),
-        gamma0=val(p.norm0.gamma) if p.norm0 else fake([hidden], x.dtype),
-        beta0=val(p.norm0.beta) if p.norm0 and p.norm0.beta is not None else fake([hidden], x.dtype),
-        cos=val(p.cos), sin=val(p.sin), wuk=val(p.w_uk), kv_cache=val(p.cache), kv_cache_rope=fake([0], torch.float32),
-        slotmapping=val(p.slots), cache_mode=mla.KVCACHE, quant_mode=mla.PER_TENSOR_QUANT_ASYMM, epsilon=p.eps)
-    for i, lin in ((0, p.qkv_lin), (1, p.q_lin)):
-        q = lin.quant
-        a[f"descale{i}"] = val(q.descale) if q else fake([val(a["wdqkv" if i == 0 else "wuq"]).shape[0]],
-                                                         torch.float32)
-        a.update({f"quant_scale{i}": val(q.quantize.scale) if q else None,
-                  f"quant_offset{i}": val(q.quantize.offset) if q else None, f"bias{i}": val(q.bias) if q else None})
-    a.update(ctkv_scale=None, q_nope_scale=None)
-    try:
-        mla.check_mla_preprocess_args(a)
-    except ValueError as refused:
-        raise NotFused(f"the op refuses the arguments: {str(refused).removeprefix(mla.NAME + ': ')}") from None
-
-
 def _table_root(node):
     while is_call(node, aten.unsqueeze.default):
         node = node.args[0]
@@ -430,14 +395,16 @@ def _written_cache(write, value) -> Optional[CacheWrite]:
     return CacheWrite(cache, slots, python_indexes, new_cache[0], nodes)
 
 
-def _build(b: GraphBuilder, p: Prologue, q_out: Node, new_cache: Node) -> dict:
+def _op_arguments(b, p: Prologue) -> dict:
+    """The op's arguments by name (nodes of the graph, or what ``b`` builds: a GraphBuilder, or
+    FakeValues to check them at match time)."""
     x = p.x
     dtype, device = val(x).dtype, val(x).device
 
     def full(shape, value, dtype_):
         return b.call(aten.full.default, shape, value, dtype=dtype_, device=device, pin_memory=False)
 
-    def out_in(lin: Linear) -> Node:  # the op takes [out, in] weights
+    def out_in(lin: Linear):  # the op takes [out, in] weights
         return b.call(aten.t.default, lin.w) if lin.in_out else lin.w
 
     quant0, quant1 = p.qkv_lin.quant, p.q_lin.quant
@@ -454,24 +421,31 @@ def _build(b: GraphBuilder, p: Prologue, q_out: Node, new_cache: Node) -> dict:
             descale0, bias0 = (b.call(aten.index.Tensor, t, [rows0]) for t in (descale0, bias0))
             descale1, bias1 = (b.call(aten.index.Tensor, t, [rows1]) for t in (descale1, bias1))
     hidden = val(x).shape[-1]
-    # the unquantized path skips stage 1, whose gamma0/beta0 the op then never reads
-    gamma0 = p.norm0.gamma if p.norm0 else full([hidden], 1.0, dtype)
-    beta0 = p.norm0.beta if p.norm0 and p.norm0.beta is not None else full([hidden], 0.0, dtype)
-    beta1 = p.norm1.beta if p.norm1.beta is not None else full([mla.Q_LORA], 0.0, dtype)
     slots = p.slots
     if not p.python_indexes:  # index_copy_/scatter_ refuse a negative slot: make it one the op refuses
         slot_count = val(p.cache).shape[0] * val(p.cache).shape[1]
         slots = b.call(aten.masked_fill.Scalar, slots, b.call(aten.lt.Scalar, slots, 0), slot_count)
-    kv_rope = full([0], 0.0, torch.float32)  # unused in KVCACHE mode; its (zero-byte) copy keeps a plain dtype
-    kwargs: dict[str, Any] = dict(cache_mode=mla.KVCACHE, quant_mode=mla.PER_TENSOR_QUANT_ASYMM, epsilon=p.eps)
+    arguments = dict(
+        input=x, wdqkv=wdqkv, descale0=descale0, gamma1=p.norm1.gamma, wuq=wuq, descale1=descale1,
+        gamma2=p.ctkv.gamma, cos=p.cos, sin=p.sin, wuk=p.w_uk, kv_cache=p.cache, slotmapping=slots,
+        # the unquantized path skips stage 1, whose gamma0/beta0 the op then never reads
+        gamma0=p.norm0.gamma if p.norm0 else full([hidden], 1.0, dtype),
+        beta0=p.norm0.beta if p.norm0 and p.norm0.beta is not None else full([hidden], 0.0, dtype),
+        beta1=p.norm1.beta if p.norm1.beta is not None else full([mla.Q_LORA], 0.0, dtype),
+        # unused in KVCACHE mode; its (zero-byte) copy keeps a plain dtype
+        kv_cache_rope=full([0], 0.0, torch.float32),
+        cache_mode=mla.KVCACHE, quant_mode=mla.PER_TENSOR_QUANT_ASYMM, epsilon=p.eps)
     if quant0:
-        kwargs.update(quant_scale0=quant0.quantize.scale, quant_offset0=quant0.quantize.offset, bias0=bias0,
-                      quant_scale1=quant1.quantize.scale, quant_offset1=quant1.quantize.offset, bias1=bias1)
+        arguments.update(quant_scale0=quant0.quantize.scale, quant_offset0=quant0.quantize.offset, bias0=bias0,
+                         quant_scale1=quant1.quantize.scale, quant_offset1=quant1.quantize.offset, bias1=bias1)
+    return arguments
+
+
+def _build(b: GraphBuilder, p: Prologue, q_out: Node, new_cache: Node) -> dict:
+    arguments = _op_arguments(b, p)
+    caches = [arguments.pop("kv_cache"), arguments.pop("kv_cache_rope")]  # mutated: the bases
     fused = b.call(torch.ops.higher_order.auto_functionalized_v2, torch.ops.npu_fuse.mla_preprocess.default,
-                   input=x, gamma0=gamma0, beta0=beta0, wdqkv=wdqkv, descale0=descale0, gamma1=p.norm1.gamma,
-                   beta1=beta1, wuq=wuq, descale1=descale1, gamma2=p.ctkv.gamma, cos=p.cos, sin=p.sin,
-                   wuk=p.w_uk, slotmapping=slots, **kwargs, _kv_cache_base_index=0,
-                   _kv_cache_rope_base_index=1, _all_bases=[p.cache, kv_rope])
+                   **arguments, _kv_cache_base_index=0, _kv_cache_rope_base_index=1, _all_bases=caches)
     return {q_out: b.call(operator.getitem, fused, 0), new_cache: b.call(operator.getitem, fused, 2)}
 
 

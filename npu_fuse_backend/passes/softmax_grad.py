@@ -13,13 +13,14 @@ any order; ``x2`` a Python scalar, a scalar-like tensor, or a tensor of grad's s
   graph (with the copies that write ``y`` back into the view); the result is viewed back to
   ``y``'s shape, which must be contiguous. A scale expanded from one element is that element.
 
-Constraints (each failure is a near-miss with its reason): reduction over the last
-dim with keepdim; grad and x1 of equal shape, rank 1..6, not empty, one dtype in
-fp16/fp32/bf16; x2 scalar-like or grad's shape, of that dtype; static shapes; the
-first Mul and the Sub share grad and both Muls share x1 (by construction of the
-match; ``sum - grad`` is different math and never matches); no intermediate used
-outside the chain; no rewrite that would make the fused op depend on its own
-output. The SoC limit (the GE op exists on Ascend950 only) is the op's ``@soc_limits``.
+Constraints (each failure is a near-miss with its reason): the op's own argument rules
+(``check_softmax_grad_ext_args``: reduction over the last dim with keepdim, grad and x1 of
+equal shape, rank 1..6, not empty, one float dtype, x2 scalar-like or grad's shape), asked
+of the op on the arguments the replacement gives it; static shapes; a number scale that stays
+a normal number in grad's dtype; the first Mul and the Sub share grad and both Muls share x1 (by
+construction of the match; ``sum - grad`` is different math and never matches); no intermediate
+used outside the chain; no rewrite that would make the fused op depend on its own output. The
+SoC limit (the GE op exists on Ascend950 only) is the op's ``unavailable_on``.
 """
 
 import dataclasses
@@ -29,9 +30,9 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch.fx import Node
 
-from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
-from ..graph_utils import aten, describe, is_call, norm_dim, static_int, users_outside, val
-from npu_fuse_backend.lowering.ops.softmax_grad import FLOAT_DTYPES
+from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, check_op_args, register_fusion
+from ..graph_utils import aten, describe, is_call, static_int, users_outside, val
+from npu_fuse_backend.lowering.ops.softmax_grad import check_softmax_grad_ext_args
 from ..matchers import LayoutPath, binary_operands, scalar_like, through_layout, written_back
 
 Scalar = (int, float)
@@ -276,33 +277,21 @@ class SoftmaxGradFusion(FusionPass):
             symbolic = [s for s in t.shape if static_int(s) is None]
             if symbolic:
                 raise NotFused(f"{name} has symbolic dim {symbolic[0]}: SoftmaxGradExt needs static shapes")
-        if grad.shape != x1.shape:
-            raise NotFused(f"grad shape {list(grad.shape)} != x1 shape {list(x1.shape)}")
-        if not 1 <= grad.dim() <= 6:
-            raise NotFused(f"grad is {grad.dim()}-D; SoftmaxGradExt takes 1-D to 6-D")
-        if grad.numel() == 0:
-            raise NotFused(f"grad shape {list(grad.shape)} is empty; SoftmaxGradExt takes no empty tensors")
+        if not isinstance(x2, torch.Tensor):
+            if not isinstance(chain.x2, Scalar) or isinstance(chain.x2, bool):
+                raise NotFused(f"x2 {chain.x2!r} is not a number or tensor")
+            _check_scalar_scale(chain.x2, chain.scale_inverted, grad.dtype)
+        with ctx.fake_mode:  # the scale as the replacement passes it: one element as [1], a number as a tensor
+            if not isinstance(x2, torch.Tensor):
+                scale = torch.empty(1, dtype=grad.dtype, device=grad.device)
+            else:
+                scale = x2.view(1) if x2.numel() == 1 and tuple(x2.shape) not in ((), (1,)) else x2
+        check_op_args(check_softmax_grad_ext_args, grad, x1, scale, chain.dims, chain.keepdim)
         # the scale's operand: grad's shape, or through layout ops the same values laid out anew
         operand = val(chain.layout.nodes[0]) if chain.layout else grad
         if not _leading_ones_of(val(y).shape, operand.shape):
             raise NotFused(f"the result has shape {list(val(y).shape)} (x2 {_shape_of(x2)} broadcasts it), "
                            f"but softmax_grad_ext returns grad's values in shape {list(operand.shape)}")
-        if len(chain.dims) != 1 or norm_dim(chain.dims[0], grad.dim()) != grad.dim() - 1:
-            raise NotFused(f"reduction over dims {chain.dims}, not the last dim only")
-        if not chain.keepdim:
-            raise NotFused("the reduction drops the reduced dim (keep_dims must be true)")
-        if grad.dtype not in FLOAT_DTYPES or x1.dtype != grad.dtype:
-            raise NotFused(f"grad/x1 dtypes {grad.dtype}/{x1.dtype}: one of float16, bfloat16, float32 required")
-        if isinstance(x2, torch.Tensor):
-            if x2.dtype != grad.dtype:
-                raise NotFused(f"x2 dtype {x2.dtype} != grad dtype {grad.dtype}")
-            if x2.numel() != 1 and x2.shape != grad.shape:
-                raise NotFused(f"x2 shape {list(x2.shape)} is neither scalar-like nor grad's shape "
-                               f"{list(grad.shape)}")
-        elif not isinstance(chain.x2, Scalar) or isinstance(chain.x2, bool):
-            raise NotFused(f"x2 {chain.x2!r} is not a number or tensor")
-        else:
-            _check_scalar_scale(chain.x2, chain.scale_inverted, grad.dtype)
         cycle = self._depends_on_chain(ctx, chain)
         if cycle is not None:
             raise NotFused(f"x2 depends on {describe(cycle)} of the chain: fusing would make the op depend "
