@@ -41,7 +41,7 @@ from torch.fx import Node
 from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
 from ..graph_utils import VIEWS, aten, broadcasts_to, describe, rank, shape_eq, static_int, users_outside, val
 from ..matchers import (PairsToHalfRope, deinterleaved, match_pairs_to_half_rope, match_pairs_to_half_rope_backward,
-                        match_rope_grad_site, match_rope_site, reinterleaved)
+                        match_rope_grad_site, match_rope_site, quiet, reinterleaved)
 
 # Unsqueezes that take x to (B, N, S, D): [T, N, D] -> [T, N, 1, D]; [T, D] -> [T, 1, 1, D].
 LIFT = {4: (), 3: (2,), 2: (1, 2)}
@@ -66,7 +66,7 @@ class InterleaveRopeFusion(FusionPass):
             if found is not None:
                 return self._rewrite(anchor, found.x, _full_width(found), found.nodes, backward=True,
                                      form="pairs-to-half")
-            site = _quiet(match_rope_site, anchor)
+            site = quiet(match_rope_site, anchor)
             pairs = deinterleaved(site.x) if site is not None and site.rotation.mode == "half" else None
             if pairs is None:
                 return None
@@ -76,7 +76,7 @@ class InterleaveRopeFusion(FusionPass):
         if found is not None:
             return self._rewrite(anchor, found.x, _full_width(found), found.nodes, backward=True, form="pairs-to-half")
         back = reinterleaved(anchor)
-        site = _quiet(match_rope_grad_site, back.source) if back is not None else None
+        site = quiet(match_rope_grad_site, back.source) if back is not None else None
         if site is None or site.rotation.mode != "half":
             return None
         return self._rewrite(anchor, site.x, (_Table(site.cos), _Table(site.sin)),
@@ -140,14 +140,6 @@ class _Table:
             shape = list(torch.broadcast_shapes(val(first).shape, val(second).shape))
             first, second = (b.call(aten.expand.default, n, shape) for n in (first, second))
         return b.call(aten.cat.default, [first, second], -1)
-
-
-def _quiet(matcher, node):
-    """A site another pass owns: its near-misses are that pass's to report."""
-    try:
-        return matcher(node)
-    except NotFused:
-        return None
 
 
 def _full_width(found: PairsToHalfRope) -> tuple:

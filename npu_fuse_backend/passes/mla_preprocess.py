@@ -44,9 +44,169 @@ from ..fusion import FakeValues, FusionPass, GraphBuilder, NotFused, PassContext
 from ..graph_utils import VIEWS, aten, is_call, rank, shape_eq, static_int, users_outside, val
 from npu_fuse_backend.lowering.ops import mla_preprocess as mla
 from ..matchers import (
-    Linear, RmsNorm, RopeSite, deinterleaved, last_dim_piece, match_linear, match_rms_norm, match_rope_site,
-    pieces_of, swaps_01,
+    RmsNorm, RopeSite, Stripped, binary_operands, deinterleaved, last_dim_piece, match_rms_norm, match_rope_site,
+    quiet, uncast,
 )
+
+
+# -- the prologue's own matchers: projections (x @ w^T, w8a8), last-dim pieces, transposes ----------
+def transposed(node) -> Optional[Node]:
+    """w for ``w.t()`` (``t``, or ``permute(w, [1, 0])`` after inductor's decompositions)."""
+    if is_call(node, aten.t.default) or (is_call(node, aten.permute.default) and list(node.args[1]) == [1, 0]):
+        return node.args[0]
+    return None
+
+
+@dataclasses.dataclass
+class Quantize:
+    """``int8(clamp(round(y / scale + offset), -128, 127))``: static per-tensor asymmetric quant."""
+
+    y: Node
+    scale: Node
+    offset: Node
+    nodes: list
+
+
+def _int8_clamped(node) -> Optional[Stripped]:
+    """clamp(inner, -128, 127), or clamp_max(clamp_min(inner, -128), 127)."""
+    if is_call(node, aten.clamp.default) and tuple(node.args[1:3]) == (-128, 127):
+        return Stripped(node.args[0], [node])
+    if is_call(node, aten.clamp_max.default) and node.args[1] == 127 and \
+            is_call(node.args[0], aten.clamp_min.default) and node.args[0].args[1] == -128:
+        return Stripped(node.args[0].args[0], [node, node.args[0]])
+    return None
+
+
+def match_quantize(node) -> Optional[Quantize]:
+    cast = uncast(node)
+    casts, clamped = cast.casts, _int8_clamped(cast.node)
+    if not (casts and val(node).dtype == torch.int8 and clamped and is_call(clamped.node, aten.round.default)):
+        return None
+    rounded = clamped.node
+    shifted = binary_operands(rounded.args[0], aten.add.Tensor)
+    divided = binary_operands(shifted[0], aten.div.Tensor) if shifted else None
+    if divided is None:
+        return None
+    offset, scale, y = uncast(shifted[1]), uncast(divided[1]), uncast(divided[0])
+    return Quantize(y.node, scale.node, offset.node,
+                    [*casts, *clamped.casts, rounded, rounded.args[0], shifted[0], *offset.casts, *scale.casts,
+                     *y.casts])
+
+
+@dataclasses.dataclass
+class QuantLinear:
+    """The w8a8 parts of a projection: the activation's quantize and the int32 bias + dequant scale."""
+
+    quantize: Quantize
+    bias: Node
+    descale: Node
+
+
+@dataclasses.dataclass
+class Linear:
+    """A projection: ``x @ w^T`` (nn.Linear, w stored [out, in]) or ``x @ w`` (w stored
+    [in, out]), or the w8a8 form ``dequant(int_mm(quant(x), w^T or w) + bias)``."""
+
+    x: Node
+    w: Node  # the weight as the graph holds it
+    quant: Optional[QuantLinear]
+    nodes: list
+    in_out: bool = False  # w is stored [in, out] (``x @ w``), not [out, in]
+
+
+@dataclasses.dataclass
+class Weight:
+    """The right operand of a 2-D matmul: ``w.t()`` (w stored [out, in]) or a plain 2-D w ([in, out])."""
+
+    w: Node
+    in_out: bool
+    nodes: list  # the transpose, if any
+
+
+def _weight(node) -> Optional[Weight]:
+    if transposed(node) is not None:
+        return Weight(transposed(node), False, [node])
+    if rank(node) == 2:
+        return Weight(node, True, [])
+    return None
+
+
+def match_linear(node) -> Optional[Linear]:
+    cast = uncast(node)
+    out, casts = cast.node, cast.casts
+    if is_call(out, aten.mm.default):
+        weight = _weight(out.args[1])
+        if weight is None:
+            return None
+        return Linear(out.args[0], weight.w, None, [*casts, out, *weight.nodes], weight.in_out)
+    scaled = binary_operands(out, aten.mul.Tensor)
+    if scaled is None:
+        return None
+    for acc_side, descale in (scaled, scaled[::-1]):
+        acc = uncast(acc_side)
+        biased = binary_operands(acc.node, aten.add.Tensor)
+        if biased is None or not is_call(biased[0], aten._int_mm.default):
+            continue
+        int_mm, bias = biased
+        weight = _weight(int_mm.args[1])
+        quant = match_quantize(int_mm.args[0])
+        if weight is None or quant is None:
+            return None
+        return Linear(quant.y, weight.w, QuantLinear(quant, bias, descale),
+                      [*casts, out, *acc.casts, acc.node, int_mm, *weight.nodes, *quant.nodes], weight.in_out)
+    return None
+
+
+@dataclasses.dataclass
+class PieceUse:
+    """A user of a tensor that takes one last-dim piece of it."""
+
+    node: Node
+    nodes: list
+
+
+def pieces_of(node: Node) -> dict:
+    """{(start, end): PieceUse} for the step-1 last-dim slices and split parts taken of node."""
+    candidates = []
+    for user in node.users:
+        if is_call(user, aten.split.Tensor, aten.split_with_sizes.default):
+            candidates += list(user.users)
+        else:
+            candidates.append(user)
+    found = {}
+    for candidate in candidates:
+        piece = last_dim_piece(candidate)
+        if piece is not None and piece.source is node and piece.step == 1:
+            found.setdefault((piece.start, piece.end), PieceUse(candidate, piece.nodes))
+    return found
+
+
+
+def swaps_01(node) -> bool:
+    """x.transpose(0, 1) of a 3-D x (``permute(x, [1, 0, 2])`` after inductor's decompositions)."""
+    if rank(node) != 3:
+        return False
+    if is_call(node, aten.transpose.int):
+        return sorted(d % 3 for d in node.args[1:3]) == [0, 1]
+    return is_call(node, aten.permute.default) and list(node.args[1]) == [1, 0, 2]
+
+
+
+@dataclasses.dataclass
+class KvPieces:
+    """Stage 6's split of the kv latent: ctkv [512] and k_rope [64]."""
+
+    ctkv: Node
+    k_rope: Node
+    nodes: list
+
+
+@dataclasses.dataclass
+class NormOf:
+    """An RMSNorm found downstream of its input, and the node that outputs it."""
+
+    norm: RmsNorm
+    out: Node
 
 
 @dataclasses.dataclass
@@ -134,10 +294,7 @@ class MlaPreprocessFusion(FusionPass):
     anchor_targets = (aten.add.Tensor,)
 
     def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
-        try:
-            site = match_rope_site(anchor)
-        except NotFused:  # the RoPE passes report that site
-            return None
+        site = quiet(match_rope_site, anchor)  # the RoPE passes report that site's near-miss
         if site is None:
             return None
         q_pe, deinterleave = site.x, []
@@ -194,8 +351,10 @@ class MlaPreprocessFusion(FusionPass):
         if quantized and norm0 is None:
             raise NotFused("stage 1 (input RMSNorm before quantization) not found")
         nodes += [q3, *q_lin.nodes, *norm1.nodes, *q_c.nodes, *qkv_lin.nodes] + (norm0.nodes if norm0 else [])
-        kv_c, k_pe, kv_nodes = self._kv_pieces(qkv)
-        ctkv, ctkv_out = self._consumer_norm(kv_c)
+        kv = self._kv_pieces(qkv)
+        kv_c, k_pe, kv_nodes = kv.ctkv, kv.k_rope, kv.nodes
+        ctkv_norm = self._consumer_norm(kv_c)
+        ctkv, ctkv_out = ctkv_norm.norm, ctkv_norm.out
         if ctkv.beta is not None:
             raise NotFused("the kv-latent RMSNorm adds a beta; the op's stage 6 has only gamma2")
         k_rope = self._k_rope(k_pe, q_site, bool(deinterleave))
@@ -238,7 +397,7 @@ class MlaPreprocessFusion(FusionPass):
 
     # -- stages ----------------------------------------------------------------------
     @staticmethod
-    def _kv_pieces(qkv):
+    def _kv_pieces(qkv) -> "KvPieces":
         kv = pieces_of(qkv).get((mla.Q_LORA, mla.QKV))
         if kv is None:
             raise NotFused("stage 3 (kv part [1536:2112] of qkv) not found")
@@ -246,11 +405,11 @@ class MlaPreprocessFusion(FusionPass):
         kv_c, k_pe = pieces.get((0, mla.KV_LORA)), pieces.get((mla.KV_LORA, mla.KV_LORA + mla.ROPE))
         if kv_c is None or k_pe is None:
             raise NotFused("stage 6 (kv split into ctkv [512] and k_rope [64]) not found")
-        return kv_c.node, k_pe.node, [*kv.nodes, *kv_c.nodes, *k_pe.nodes]
+        return KvPieces(kv_c.node, k_pe.node, [*kv.nodes, *kv_c.nodes, *k_pe.nodes])
 
     @staticmethod
-    def _consumer_norm(node) -> tuple:
-        """(RmsNorm of node, its output): the norm's output is a few nodes downstream of its input."""
+    def _consumer_norm(node) -> "NormOf":
+        """The RmsNorm of node: its output is a few nodes downstream of its input."""
         seen, frontier = set(), [node]
         for _ in range(12):
             nxt = []
@@ -261,7 +420,7 @@ class MlaPreprocessFusion(FusionPass):
                     seen.add(user)
                     found = match_rms_norm(user)
                     if found is not None and found.x is node:
-                        return found, user
+                        return NormOf(found, user)
                     nxt.append(user)
             frontier = nxt
         raise NotFused("stage 6 (RMSNorm over the last dim of the kv latent) not found")
@@ -278,10 +437,7 @@ class MlaPreprocessFusion(FusionPass):
         for x, extra in xs:
             for user in x.users:
                 for add in user.users:
-                    try:
-                        site = match_rope_site(add)
-                    except NotFused:
-                        continue
+                    site = quiet(match_rope_site, add)
                     if not (site is not None and site.x is x and site.rotation.mode == "half"):
                         continue
                     cos, sin = _table_root(site.cos), _table_root(site.sin)

@@ -26,8 +26,9 @@ the call the rewrite builds. The cos/sin layouts each SoC accepts are the op's `
 (lowering/ops/partial_rope.py), checked on every rewrite.
 """
 
+import dataclasses
 import operator
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 from torch.fx import Node
@@ -35,10 +36,11 @@ from torch.fx import Node
 from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
 from ..graph_utils import aten, describe, is_call, norm_dim, rank, shape_eq, slice_scatter_args, static_int, \
     users_outside, val
-from ..matchers import RopeSite, last_dim_cat, last_dim_piece, match_rope_site
+from ..matchers import RopeSite, last_dim_cat, last_dim_piece, match_rope_site, quiet
 
 
-class SliceRope(NamedTuple):
+@dataclasses.dataclass
+class SliceRope:
     """RoPE of ``x[..., start:end]``: the site and the slice nodes it reads x through."""
 
     site: RopeSite
@@ -50,10 +52,7 @@ class SliceRope(NamedTuple):
 
 def rope_on_slice(node) -> Optional[SliceRope]:
     """Interleave RoPE of a step-1 last-dim slice of some x, rooted at node."""
-    try:
-        site = match_rope_site(node) if isinstance(node, Node) else None
-    except NotFused:  # the full-RoPE pass reports this site's near-miss
-        return None
+    site = quiet(match_rope_site, node) if isinstance(node, Node) else None  # rope reports its near-miss
     if site is None or site.rotation.mode != "interleave":
         return None
     piece = last_dim_piece(site.x)

@@ -25,15 +25,15 @@ SoC limit (the GE op exists on Ascend950 only) is the op's ``unavailable_on``.
 
 import dataclasses
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 from torch.fx import Node
 
 from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, check_op_args, register_fusion
-from ..graph_utils import aten, describe, is_call, static_int, users_outside, val
+from ..graph_utils import VIEWS, aten, describe, is_call, shape_eq, static_int, users_outside, val
+from ..matchers import binary_operands
 from npu_fuse_backend.lowering.ops.softmax_grad import check_softmax_grad_ext_args
-from ..matchers import LayoutPath, binary_operands, scalar_like, through_layout, written_back
 
 Scalar = (int, float)
 
@@ -51,7 +51,8 @@ def _plain_sub(node) -> bool:
     return binary_operands(node, aten.sub.Tensor) is not None
 
 
-class ReducedProduct(NamedTuple):
+@dataclasses.dataclass
+class ReducedProduct:
     """``sum(a * b, dims, keepdim)``."""
 
     product: Node
@@ -68,6 +69,73 @@ def sum_of_product(node) -> Optional[ReducedProduct]:
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     return ReducedProduct(product, list(dims or []), keepdim)
+
+
+# -- layout-only ops between the chain and its scale -------------------------------------------
+FRESH_BUFFERS = (aten.empty.memory_format, aten.new_empty.default, aten.new_empty_strided.default,
+                 aten.empty_like.default, aten.empty_strided.default)
+
+
+@dataclasses.dataclass
+class LayoutPath:
+    """``node`` computed from ``source`` by ops that only lay the same values out anew
+    (row-major order kept): its value is ``source.reshape(node's shape)``."""
+
+    source: Any
+    nodes: list  # the layout ops, and the fresh buffers values were copied into
+
+
+def copied_into_fresh_buffer(node) -> Optional[Node]:
+    """src for ``copy(empty(...), src)`` of src's shape and dtype (``x.new_empty(...).copy_(src)``
+    after functionalization)."""
+    if not (is_call(node, aten.copy.default) and is_call(node.args[0], *FRESH_BUFFERS) and len(node.args) == 2):
+        return None
+    src = node.args[1]
+    if not (isinstance(src, Node) and shape_eq(val(node).shape, val(src).shape) and val(node).dtype == val(src).dtype):
+        return None
+    return src
+
+
+def through_layout(node) -> LayoutPath:
+    """Walk back from node over view/reshape/_unsafe_view, clone and copies into fresh buffers.
+    Each keeps the values in row-major order, so a replacement computing ``source`` gives node's
+    value as a view of its contiguous result."""
+    nodes = []
+    while True:
+        if is_call(node, *VIEWS, aten.clone.default) and isinstance(node.args[0], Node):
+            if is_call(node, aten.clone.default) and set(node.kwargs) - {"memory_format"}:
+                break
+            nodes.append(node)
+            node = node.args[0]
+            continue
+        src = copied_into_fresh_buffer(node)
+        if src is None:
+            break
+        nodes += [node, node.args[0]]
+        node = src
+    return LayoutPath(node, nodes)
+
+
+def scalar_like(node) -> Any:
+    """The one-element tensor (or number) behind ``expand``/views of it, else node itself."""
+    while is_call(node, aten.expand.default, *VIEWS) and isinstance(node.args[0], Node) \
+            and val(node.args[0]).numel() == 1:
+        node = node.args[0]
+    return node
+
+
+def written_back(node: Node, layout: LayoutPath) -> list:
+    """``copy(dst, node)`` users whose dst is one of layout's nodes and has node's shape, dtype and
+    strides: each equals node's value (the functional form of an in-place op on a view,
+    ``scores /= s``)."""
+    copies = []
+    for user in node.users:
+        if is_call(user, aten.copy.default) and user.args[1] is node and user.args[0] in layout.nodes:
+            dst, value = val(user.args[0]), val(node)
+            if shape_eq(dst.shape, value.shape) and shape_eq(dst.stride(), value.stride()) \
+                    and dst.dtype == value.dtype:
+                copies.append(user)
+    return copies
 
 
 def _scale_value(x2, inverted: bool) -> float:
