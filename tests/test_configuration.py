@@ -12,15 +12,8 @@ from torch._dynamo.utils import counters
 
 import npu_fuse
 from conftest import assert_close, fused_ops
+from models import rope, rope_args
 from npu_fuse_backend import config
-
-
-def rope(q, cos, sin):
-    return q * cos + torch.cat((-q[..., 8:], q[..., :8]), -1) * sin
-
-
-def rope_args():
-    return torch.randn(2, 3, 4, 16), torch.randn(1, 3, 1, 16), torch.randn(1, 3, 1, 16)
 
 
 @pytest.fixture

@@ -6,19 +6,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import npu_fuse_backend as nf
 from conftest import assert_close, compile_fused, fused_ops, near_miss_reasons
+from models import rope, rope_args
 from npu_fuse_backend import fusion
 from npu_fuse_backend.canonicalize import canonicalize
 from npu_fuse_backend.lowering import registry
 
 aten = torch.ops.aten
-
-
-def rope(q, cos, sin):
-    return q * cos + torch.cat((-q[..., 8:], q[..., :8]), -1) * sin
-
-
-def rope_args():
-    return torch.randn(2, 3, 4, 16), torch.randn(1, 3, 1, 16), torch.randn(1, 3, 1, 16)
 
 
 def targets(gm) -> list:

@@ -7,7 +7,7 @@ import torch
 
 import npu_fuse_backend as nf
 from ge_conformance import check_graph, input_copies
-from npu_fuse_backend.demo_models import DecoderConfig, GPTJModel, LlamaModel
+from models import attention, tiny_gptj as gptj, tiny_llama
 from torchair_offline import ge_graphs_of, torchair_dir
 
 pytestmark = pytest.mark.skipif(not (torchair_dir() / "torchair").is_dir(),
@@ -15,19 +15,11 @@ pytestmark = pytest.mark.skipif(not (torchair_dir() / "torchair").is_dir(),
 
 
 def llama():
-    return LlamaModel(DecoderConfig(hidden=64, heads=2, kv_heads=1, head_dim=64, intermediate=64))
-
-
-def gptj():
-    return GPTJModel(DecoderConfig(hidden=64, heads=2, kv_heads=2, head_dim=32, intermediate=64, rotary_dim=16))
+    return tiny_llama(heads=2, kv_heads=1, head_dim=64)
 
 
 def hidden():
     return torch.randn(1, 8, 64), torch.arange(8)[None]
-
-
-def attention(q, k, v):
-    return torch.softmax((q @ k.transpose(-1, -2)) * 0.125, dim=-1) @ v
 
 
 def attention_inputs():

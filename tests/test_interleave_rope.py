@@ -9,15 +9,12 @@ from torch.library import opcheck
 
 import npu_fuse_backend as nf
 from conftest import assert_close, compile_fused, fused_ops, near_miss_reasons
+from models import rotate_half
 from npu_fuse_backend import fusion
 from npu_fuse_backend.lowering.registry import SOC_LIMITS
 
 interleave_rope = torch.ops.npu_fuse.interleave_rope
 interleave_rope_backward = torch.ops.npu_fuse.interleave_rope_backward
-
-
-def rotate_half(x):
-    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
 
 
 # -- the two ways real code writes it ------------------------------------------------------

@@ -11,22 +11,11 @@ from torch.library import opcheck
 
 import npu_fuse_backend as nf
 from conftest import assert_close, compile_fused, fused_ops, near_miss_reasons
+from models import probs, rotate_every_two, rotate_half
 from npu_fuse_backend import fusion
 
 ops = torch.ops.npu_fuse
 aten = torch.ops.aten
-
-
-def probs(*shape, dtype=torch.float32):
-    return torch.randn(*shape).softmax(-1).to(dtype)
-
-
-def rotate_half(x):
-    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), -1)
-
-
-def rotate_every_two(x):
-    return torch.stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)
 
 
 # -- 1. a one-element scale of higher rank broadcasts the result --------------------------------

@@ -6,18 +6,11 @@ from torch.library import opcheck
 
 import npu_fuse_backend as nf
 from conftest import assert_close, assert_no_worse_than_eager, compile_fused, fused_ops, near_miss_reasons
+from models import rotate_every_two, rotate_half
 from npu_fuse.ops import inplace_partial_rotary_mul
 
 op = torch.ops.npu_fuse.inplace_partial_rotary_mul
 op_backward = torch.ops.npu_fuse.inplace_partial_rotary_mul_backward
-
-
-def rotate_every_two(x):
-    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
-
-
-def rotate_half(x):
-    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
 
 
 def eager_partial(x, r1, r2, start, end):

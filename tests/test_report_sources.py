@@ -12,7 +12,8 @@ import torch
 import npu_fuse_backend as nf
 from conftest import compile_fused
 from npu_fuse_backend import demo_models
-from npu_fuse_backend.demo_models import DecoderConfig, LlamaModel
+from models import tiny_llama
+from npu_fuse_backend.demo_models import LlamaModel
 from npu_fuse_backend.report import module_path
 
 
@@ -22,12 +23,8 @@ def line_of(fn, text: str) -> str:
     return f"{inspect.getsourcefile(fn)}:{first + offset}"
 
 
-def tiny_llama(layers=2):
-    return LlamaModel(DecoderConfig(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=64, layers=layers))
-
-
 def test_matches_name_the_model_line_module_and_frame_in_forward_and_backward():
-    model = tiny_llama()
+    model = tiny_llama(layers=2)
     x, pos = torch.randn(2, 8, 64), torch.arange(8).expand(2, 8)
     out, _ = compile_fused(model, x, pos)
     out.sum().backward()
@@ -48,7 +45,7 @@ def test_matches_name_the_model_line_module_and_frame_in_forward_and_backward():
 
 
 def test_summary_groups_by_module():
-    model = tiny_llama()
+    model = tiny_llama(layers=2)
     with torch.no_grad():
         _, (report,) = compile_fused(model, torch.randn(2, 8, 64), torch.arange(8).expand(2, 8))
     lines = report.summary().splitlines()

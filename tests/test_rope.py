@@ -190,9 +190,9 @@ def test_training_fuses_forward_and_backward_with_eager_gradients(style, dtype):
 
 def test_llama_layer_training_step_through_inductor():
     """The one inductor compile of this file: a whole Llama layer, fw+bw, vs eager."""
-    from npu_fuse_backend.demo_models import DecoderConfig, LlamaModel
+    from models import tiny_llama
 
-    model = LlamaModel(DecoderConfig(hidden=64, heads=2, kv_heads=1, head_dim=32, intermediate=96))
+    model = tiny_llama(heads=2, kv_heads=1, head_dim=32, intermediate=96)
     x = torch.randn(2, 8, 64, requires_grad=True)
     pos = torch.arange(8).expand(2, 8)
     out, reports = compile_fused(model, x, pos, fallback="inductor")

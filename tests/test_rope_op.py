@@ -6,18 +6,10 @@ from torch.library import opcheck
 
 import npu_fuse  # noqa: F401  (defines the npu_fuse:: ops)
 from conftest import assert_close
+from models import rotate_every_two, rotate_half
 
 rotary_mul = torch.ops.npu_fuse.rotary_mul
 rotary_mul_backward = torch.ops.npu_fuse.rotary_mul_backward
-
-
-def rotate_half(x):
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def rotate_every_two(x):
-    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
 
 
 def eager_rope(x, cos, sin, mode):

@@ -6,18 +6,11 @@ import torch
 
 import npu_fuse_backend as nf
 from conftest import assert_close, compile_fused, fused_ops, near_miss_reasons
+from models import rotate_every_two, rotate_half
 from npu_fuse_backend import soc as soc_module
 from npu_fuse_backend.lowering.registry import SOC_LIMITS
 
 rotary_mul = torch.ops.npu_fuse.rotary_mul.default
-
-
-def rotate_half(x):
-    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
-
-
-def rotate_every_two(x):
-    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
 
 
 def rope(rotate):

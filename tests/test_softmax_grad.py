@@ -9,12 +9,9 @@ from torch.library import opcheck
 
 import npu_fuse_backend as nf
 from conftest import assert_close, compile_fused, fused_ops, near_miss_reasons
+from models import probs
 
 softmax_grad_ext = torch.ops.npu_fuse.softmax_grad_ext
-
-
-def probs(*shape, dtype=torch.float32):
-    return torch.randn(*shape).softmax(-1).to(dtype)
 
 
 # -- the op ----------------------------------------------------------------------------

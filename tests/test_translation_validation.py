@@ -10,6 +10,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import npu_fuse_backend as nf
 from conftest import assert_close, compile_fused, fused_ops, near_miss_reasons
+import models
+from models import rope, rotate_every_two
 from npu_fuse_backend import fusion, validate
 from npu_fuse_backend.demo_models import DeepSeekMLA, MLAConfig
 from npu_fuse_backend.passes.mla_preprocess import MlaPreprocessFusion
@@ -22,20 +24,8 @@ aten = torch.ops.aten
 DIFFERS = "replacement differs from the subgraph"
 
 
-def rotate_half(x):
-    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), -1)
-
-
-def rotate_every_two(x):
-    return torch.stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)
-
-
-def rope(q, cos, sin):
-    return q * cos + rotate_half(q) * sin
-
-
 def rope_args(seq=5):
-    return torch.randn(2, seq, 3, 16), torch.randn(1, seq, 1, 16), torch.randn(1, seq, 1, 16)
+    return models.rope_args(seq=seq, heads=3)
 
 
 def tally():
@@ -337,7 +327,6 @@ def test_an_internal_error_of_the_validator_refuses_the_rewrite_never_the_compil
     assert fused_ops(reports) == []
     assert near_miss_reasons(reports) == ["replacement could not be validated: RuntimeError: validator bug"]
     assert_close(out, rope(*args))
-
 
 
 def test_a_rewrite_identical_to_one_shown_equal_is_not_evaluated_again(monkeypatch):

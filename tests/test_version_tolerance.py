@@ -6,6 +6,7 @@ import torch
 
 import npu_fuse_backend as nf
 from conftest import assert_close
+from models import attention, gptj, rotate_half
 from ge_conformance import check_graph
 from torchair_offline import ge_graphs_of, hidden_ops, op_types, torchair_dir
 
@@ -13,25 +14,8 @@ pytestmark = pytest.mark.skipif(not (torchair_dir() / "torchair").is_dir(),
                                 reason="torchair not fetched: run `make test`")
 
 
-def rotate_half(x):
-    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
-
-
-def rotate_every_two(x):
-    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
-
-
 def rope(q, cos, sin):
     return (q * cos + rotate_half(q) * sin) * 2
-
-
-def gptj(q, cos, sin):
-    q_rot, q_pass = q[..., :64], q[..., 64:]
-    return torch.cat([q_rot * cos + rotate_every_two(q_rot) * sin, q_pass], -1) * 2
-
-
-def attention(q, k, v):
-    return torch.softmax((q @ k.transpose(-1, -2)) * 0.125, dim=-1) @ v
 
 
 def near_misses(family):
