@@ -28,7 +28,7 @@ points, re-exported as ``npu_fuse.ops``.
 
 import importlib
 import pkgutil
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.utils._pytree as pytree
@@ -64,8 +64,15 @@ def soc_limits(op: torch._ops.OpOverload) -> Callable:
 
 def unavailable_on(op: torch._ops.OpOverload, why: dict[str, str]) -> None:
     UNAVAILABLE[op] = dict(why)
-    if op not in SOC_LIMITS:  # an op with no limits where it runs
-        soc_limits(op)(lambda soc, *args, **kwargs: None)
+
+
+def soc_refusal(op: torch._ops.OpOverload, soc: str, *args, **kwargs) -> Optional[str]:
+    """Why the op cannot take this call (fake arguments) on soc: an unrecognised NPU, a SoC without
+    its kernel, or its limits there; None when it can. Every fused op is asked, with limits or not."""
+    limits = SOC_LIMITS.get(op)
+    if limits is not None:
+        return limits(soc, *args, **kwargs)
+    return unknown_soc_reason(soc) or UNAVAILABLE.get(op, {}).get(soc)
 
 
 def refuse_autograd(name: str, why: str) -> None:

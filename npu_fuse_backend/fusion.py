@@ -37,7 +37,7 @@ from torch.fx import Graph, GraphModule, Node
 from . import config
 from .canonicalize import canonicalize
 from .graph_utils import is_input_view, shape_eq, size_eq
-from npu_fuse_backend.lowering.registry import SOC_LIMITS
+from npu_fuse_backend.lowering.registry import soc_refusal
 from .report import GraphReport, Match, NearMiss, graph_frame, involved, log_graph, new_report, publish, where
 from .soc import KNOWN_SOCS, resolve_soc
 from .validate import check_rewrite
@@ -519,8 +519,7 @@ class PassManager:
             name = op._opname
             if name in ctx.unsupported_ops:
                 return ctx.unsupported_ops[name]
-            limits = SOC_LIMITS.get(op)
-            reason = limits(ctx.soc, *args, **kwargs) if limits else None
+            reason = soc_refusal(op, ctx.soc, *args, **kwargs)
             if reason:
                 return f"{name} on {ctx.soc}: {reason}"
         return None

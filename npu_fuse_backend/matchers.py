@@ -15,10 +15,12 @@ are already gone.
   interleave), :func:`match_rotation_transpose` (R^T as autograd writes it), :func:`match_rope_site`
   (``x * cos + R(x) * sin``), :func:`match_rope_grad_site`, DeepSeek's pairs-in / half-out forms
   and :func:`deinterleaved` / :func:`reinterleaved`;
-- normalisation (the MLA prologue and rms_norm): :func:`match_rms_norm`.
+- normalisation (the MLA prologue and rms_norm): :func:`match_rms_core` (the RMS in every spelling),
+  :func:`match_rms_norm` (with its weight and bias).
 """
 
 import dataclasses
+import math
 import operator
 from typing import Any, Optional
 
@@ -445,41 +447,122 @@ def match_rms_norm(node) -> Optional[RmsNorm]:
         gamma, normed = uncast(gamma_side), uncast(normed_side)
         if not (isinstance(gamma.node, Node) and rank(gamma.node) == 1):
             continue
-        found = _normalized(normed.node)
+        found = quiet(match_rms_core, normed.node)
         if found is not None:
             return RmsNorm(found.x, gamma.node, beta, found.eps,
-                           [*nodes, out, *gamma.casts, *normed.casts, *found.nodes])
+                           [*nodes, out, *gamma.casts, *normed.casts, *found.nodes, *found.casts])
     return None
 
 
 @dataclasses.dataclass
-class _Normalized:
+class RmsCore:
+    """``xf * rsqrt(mean(xf^2, -1, keepdim=True) + eps)``: a per-row RMS normalisation over the last
+    dim, in any spelling (see :func:`match_rms_core`). ``x`` is xf without the dtype casts that made it."""
+
     x: Node
-    eps: Any
-    nodes: list
+    xf: Node
+    casts: list  # the casts from x to xf (empty when xf is x)
+    eps: Any  # a number, or a node when dynamo made it a graph input
+    rstd: Node  # the node holding rsqrt(mean(xf^2) + eps), or 1/sqrt of it
+    nodes: list  # the normalisation, from the square to ``node`` (the casts not included)
 
 
-def _normalized(node) -> Optional[_Normalized]:
-    """xf * rsqrt(mean(xf^2, -1, keepdim=True) + eps), xf = float(x): a per-row RMS over the last dim."""
-    product = binary_operands(node, aten.mul.Tensor)
-    if product is None:
+def _sqrt_of(node) -> Optional[tuple]:
+    """(v, nodes) for ``rsqrt(v)``, ``reciprocal(sqrt(v))`` or ``1 / sqrt(v)`` (a reciprocal times 1)."""
+    if is_call(node, aten.rsqrt.default):
+        return node.args[0], [node]
+    extra = []
+    ones = binary_operands(node, aten.mul.Tensor)
+    if ones is not None and 1 in ones:
+        extra, node = [node], ones[1] if ones[0] == 1 else ones[0]
+    if is_call(node, aten.reciprocal.default) and is_call(node.args[0], aten.sqrt.default):
+        return node.args[0].args[0], [*extra, node, node.args[0]]
+    return None
+
+
+def _reduce_args(node: Node) -> tuple:
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return list(dims) if dims is not None else None, keepdim
+
+
+def _mean_of_squares(node) -> Optional[tuple]:
+    """(squared tensor, mean node, nodes) for ``mean(q, dims, keepdim)`` or ``sum(q, ...) / D`` with q
+    ``t^2`` or ``t * t``; NotFused for a reduction of squares that is not a last-dim mean."""
+    nodes, mean = [], node
+    divided = binary_operands(node, aten.div.Tensor)
+    scaled = binary_operands(node, aten.mul.Tensor)
+    if divided is not None and is_call(divided[0], aten.sum.dim_IntList):
+        mean, nodes, count = divided[0], [node], divided[1]
+    elif scaled is not None and any(is_call(t, aten.sum.dim_IntList) for t in scaled):
+        mean = scaled[0] if is_call(scaled[0], aten.sum.dim_IntList) else scaled[1]
+        other = scaled[1] if mean is scaled[0] else scaled[0]
+        nodes, count = [node], 1 / other if isinstance(other, (int, float)) and other else None
+    elif is_call(node, aten.sum.dim_IntList):
+        count = None
+    elif is_call(node, aten.mean.dim):
+        count = "mean"
+    else:
         return None
-    for xf, scale in (product, product[::-1]):
-        if not is_call(scale, aten.rsqrt.default):
+    square = mean.args[0]
+    if is_call(square, aten.pow.Tensor_Scalar) and square.args[1] == 2:
+        base = square.args[0]
+    elif is_call(square, aten.mul.Tensor) and len(square.args) == 2 and square.args[0] is square.args[1]:
+        base = square.args[0]
+    else:
+        return None
+    dims, keepdim = _reduce_args(mean)
+    if not (dims is not None and len(dims) == 1 and _is_last_dim(dims[0], square)):
+        raise NotFused(f"{mean.name} averages the squares over dims {dims}, not over the last dim only")
+    if not keepdim:
+        raise NotFused(f"{mean.name} drops the reduced dim (an RMS norm keeps it to broadcast over the row)")
+    if count != "mean":
+        size = static_int(val(square).shape[-1])
+        if count is None or size is None or not math.isclose(float(count), size):
+            raise NotFused(f"{node.name} sums the squares over the last dim without dividing by its size: "
+                           "not their mean")
+    return base, mean, [*nodes, mean, square]
+
+
+def match_rms_core(node) -> Optional[RmsCore]:
+    """The RMS normalisation rooted at node: ``xf * r`` or ``xf / sqrt(v)``, r = ``rsqrt(v)`` or
+    ``1 / sqrt(v)``, v = ``m + eps``, m = ``mean(xf^2, -1, keepdim=True)`` (or ``xf * xf``, or the
+    sum divided by the last dim's size). NotFused for the same shape with a broken rule: no eps, another
+    reduction, or the RMS of another tensor."""
+    if is_call(node, aten.div.Tensor) and len(node.args) == 2 and is_call(node.args[1], aten.sqrt.default):
+        candidates = [(node.args[0], node.args[1].args[0], [node, node.args[1]], node.args[1])]
+    else:
+        product = binary_operands(node, aten.mul.Tensor)
+        if product is None:
+            return None
+        candidates = []
+        for xf, scale in (product, product[::-1]):
+            inside = _sqrt_of(scale)
+            if inside is not None:
+                candidates.append((xf, inside[0], [node, *inside[1]], scale))
+    for xf, total, nodes, rstd in candidates:
+        if not isinstance(xf, Node):
             continue
-        total = binary_operands(scale.args[0], aten.add.Tensor)
-        if total is None or not is_call(total[0], aten.mean.dim):
+        eps, found = None, None
+        if is_call(total, aten.add.Tensor, aten.add.Scalar) and len(total.args) == 2 and not total.kwargs:
+            for m, e in (total.args, total.args[::-1]):
+                found = _mean_of_squares(m) if isinstance(m, Node) else None
+                if found is not None:
+                    eps = e
+                    break
+        else:
+            found = _mean_of_squares(total) if isinstance(total, Node) else None
+            if found is not None:
+                raise NotFused(f"{rstd.name} is 1/sqrt of the mean of squares with no epsilon added: "
+                               "not RMSNorm's rsqrt(mean(x^2) + epsilon)")
+        if found is None:
             continue
-        mean = total[0]
-        square = mean.args[0]
-        if not (is_call(square, aten.pow.Tensor_Scalar) and square.args[1] == 2 and square.args[0] is xf):
-            continue
-        dims = list(mean.args[1]) if len(mean.args) > 1 else mean.kwargs.get("dim")
-        keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
-        if not (keepdim and dims is not None and len(dims) == 1 and _is_last_dim(dims[0], square)):
-            continue
+        base, _, reduce_nodes = found
+        if base is not xf:
+            raise NotFused(f"{node.name} scales {xf.name} by the RMS of another tensor, {base.name}")
         x = uncast(xf)
-        return _Normalized(x.node, total[1], [node, scale, scale.args[0], mean, square, *x.casts])
+        add = [total] if eps is not None else []
+        return RmsCore(x.node, xf, x.casts, eps, rstd, [*nodes, *add, *reduce_nodes])
     return None
 
 

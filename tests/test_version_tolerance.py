@@ -62,12 +62,12 @@ def test_a_soc_without_the_ops_kernel_is_said_once_beside_the_op():
 
     load_torchair_offline()
     from npu_fuse_backend.converters.common import GE_OPS, declare_ge_ops
-    from npu_fuse_backend.lowering.registry import UNAVAILABLE, SOC_LIMITS
+    from npu_fuse_backend.lowering.registry import UNAVAILABLE, soc_refusal
 
     op = torch.ops.npu_fuse.softmax_grad_ext.default
     g = torch.empty(2, 8, device="meta")
     for soc, reason in UNAVAILABLE[op].items():
-        assert GE_OPS["softmax_grad_ext"][soc] == reason == SOC_LIMITS[op](soc, g, g, g)
+        assert GE_OPS["softmax_grad_ext"][soc] == reason == soc_refusal(op, soc, g, g, g)
     with pytest.raises(ValueError, match=r"\['Ascend910B'\] are the op's unavailable_on SoCs"):
         declare_ge_ops("softmax_grad_ext", {"Ascend910B": "again"})
     assert GE_OPS["softmax_grad_ext"]["Ascend910B"] != "again"
