@@ -463,7 +463,7 @@ class RmsCore:
     xf: Node
     casts: list  # the casts from x to xf (empty when xf is x)
     eps: Any  # a number, or a node when dynamo made it a graph input
-    rstd: Node  # the node holding rsqrt(mean(xf^2) + eps), or 1/sqrt of it
+    rstd: Optional[Node]  # the node holding rsqrt(mean(xf^2) + eps) (None where x is divided by the sqrt)
     nodes: list  # the normalisation, from the square to ``node`` (the casts not included)
 
 
@@ -530,7 +530,7 @@ def match_rms_core(node) -> Optional[RmsCore]:
     sum divided by the last dim's size). NotFused for the same shape with a broken rule: no eps, another
     reduction, or the RMS of another tensor."""
     if is_call(node, aten.div.Tensor) and len(node.args) == 2 and is_call(node.args[1], aten.sqrt.default):
-        candidates = [(node.args[0], node.args[1].args[0], [node, node.args[1]], node.args[1])]
+        candidates = [(node.args[0], node.args[1].args[0], [node, node.args[1]], None)]
     else:
         product = binary_operands(node, aten.mul.Tensor)
         if product is None:
@@ -553,7 +553,7 @@ def match_rms_core(node) -> Optional[RmsCore]:
         else:
             found = _mean_of_squares(total) if isinstance(total, Node) else None
             if found is not None:
-                raise NotFused(f"{rstd.name} is 1/sqrt of the mean of squares with no epsilon added: "
+                raise NotFused(f"{node.name} divides by the root of the mean of squares with no epsilon added: "
                                "not RMSNorm's rsqrt(mean(x^2) + epsilon)")
         if found is None:
             continue
