@@ -524,6 +524,12 @@ def _mean_of_squares(node) -> Optional[tuple]:
     return base, mean, [*nodes, mean, square]
 
 
+def _same_value(a: Node, b: Node) -> bool:
+    """a and b compute one value: the same op of the same arguments."""
+    return isinstance(a, Node) and isinstance(b, Node) and a.op == b.op == "call_function" and \
+        a.target == b.target and a.args == b.args and a.kwargs == b.kwargs
+
+
 def match_rms_core(node) -> Optional[RmsCore]:
     """The RMS normalisation rooted at node: ``xf * r`` or ``xf / sqrt(v)``, r = ``rsqrt(v)`` or
     ``1 / sqrt(v)``, v = ``m + eps``, m = ``mean(xf^2, -1, keepdim=True)`` (or ``xf * xf``, or the
@@ -558,11 +564,12 @@ def match_rms_core(node) -> Optional[RmsCore]:
         if found is None:
             continue
         base, _, reduce_nodes = found
-        if base is not xf:
+        if base is not xf and not _same_value(base, xf):
             raise NotFused(f"{node.name} scales {xf.name} by the RMS of another tensor, {base.name}")
         x = uncast(xf)
         add = [total] if eps is not None else []
-        return RmsCore(x.node, xf, x.casts, eps, rstd, [*nodes, *add, *reduce_nodes])
+        duplicate = [base] if base is not xf else []  # the same value computed twice (Cohere's x - mean)
+        return RmsCore(x.node, xf, x.casts, eps, rstd, [*nodes, *add, *reduce_nodes, *duplicate])
     return None
 
 
