@@ -525,9 +525,11 @@ def _mean_of_squares(node) -> Optional[tuple]:
 
 
 def _same_value(a: Node, b: Node) -> bool:
-    """a and b compute one value: the same op of the same arguments."""
-    return isinstance(a, Node) and isinstance(b, Node) and a.op == b.op == "call_function" and \
-        a.target == b.target and a.args == b.args and a.kwargs == b.kwargs
+    """a and b compute one value: the same deterministic op of the same arguments."""
+    if not (isinstance(a, Node) and isinstance(b, Node) and a.op == b.op == "call_function"):
+        return False
+    random = isinstance(a.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in a.target.tags
+    return not random and a.target == b.target and a.args == b.args and a.kwargs == b.kwargs
 
 
 def match_rms_core(node) -> Optional[RmsCore]:
