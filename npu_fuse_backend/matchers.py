@@ -449,8 +449,9 @@ def match_rms_norm(node) -> Optional[RmsNorm]:
             continue
         found = quiet(match_rms_core, normed.node)
         if found is not None:
+            duplicate = [found.duplicate] if found.duplicate is not None else []
             return RmsNorm(found.x, gamma.node, beta, found.eps,
-                           [*nodes, out, *gamma.casts, *normed.casts, *found.nodes, *found.casts])
+                           [*nodes, out, *gamma.casts, *normed.casts, *found.nodes, *found.casts, *duplicate])
     return None
 
 
@@ -465,6 +466,7 @@ class RmsCore:
     eps: Any  # a number, or a node when dynamo made it a graph input
     rstd: Optional[Node]  # the node holding rsqrt(mean(xf^2) + eps) (None where x is divided by the sqrt)
     nodes: list  # the normalisation, from the square to ``node`` (the casts not included)
+    duplicate: Optional[Node] = None  # a second computation of xf, the one squared
 
 
 def _sqrt_of(node) -> Optional[tuple]:
@@ -570,8 +572,8 @@ def match_rms_core(node) -> Optional[RmsCore]:
             raise NotFused(f"{node.name} scales {xf.name} by the RMS of another tensor, {base.name}")
         x = uncast(xf)
         add = [total] if eps is not None else []
-        duplicate = [base] if base is not xf else []  # the same value computed twice (Cohere's x - mean)
-        return RmsCore(x.node, xf, x.casts, eps, rstd, [*nodes, *add, *reduce_nodes, *duplicate])
+        duplicate = base if base is not xf else None  # the same value computed twice (Cohere's x - mean)
+        return RmsCore(x.node, xf, x.casts, eps, rstd, [*nodes, *add, *reduce_nodes], duplicate)
     return None
 
 
