@@ -232,6 +232,7 @@ PASS_ORDER = (
     "interleave_rope",  # DeepSeek's de-interleave + half rotation, before rope takes the rotation alone
     "rope",
     "softmax_grad",
+    "rms_norm",  # after mla_preprocess, whose prologue holds RMSNorms
 )
 # old fusion names still accepted by config.disabled_fusions, with a DeprecationWarning
 RENAMED_FUSIONS = {"rope_interleave": "interleave_rope"}

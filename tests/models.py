@@ -59,3 +59,21 @@ def tiny_gptj(**config):
     """The demo GPT-J (partial interleave RoPE) at test size."""
     return GPTJModel(DecoderConfig(**{**dict(hidden=64, heads=2, kv_heads=2, head_dim=32, intermediate=64,
                                              rotary_dim=16), **config}))
+
+
+# -- RMSNorm -----------------------------------------------------------------------------------
+class LlamaRMSNorm(torch.nn.Module):
+    """transformers' LlamaRMSNorm (Qwen2, Mistral, Phi3, DeepSeek alike): float32 statistics, the
+    normalized value cast back to the input's dtype, then the weight."""
+
+    def __init__(self, hidden: int, eps: float = 1e-6, dtype=torch.float32):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(hidden, dtype=dtype))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)

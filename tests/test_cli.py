@@ -133,7 +133,8 @@ def test_explain_a_model_factory_as_json(tmp_path, monkeypatch):
     graphs = json.loads(out.getvalue())["graphs"]
     assert [g["kind"] for g in graphs] == ["forward", "backward"]
     ops = sorted(m["op"] for g in graphs for m in g["matches"])
-    assert ops == ["rotary_mul"] * 2 + ["rotary_mul_backward"] * 2 + ["softmax_grad_ext"]
+    assert ops == ["add_rms_norm"] * 2 + ["rms_norm"] + ["rotary_mul"] * 2 + ["rotary_mul_backward"] * 2 + \
+        ["softmax_grad_ext"]
     rope = graphs[0]["matches"][0]
     assert rope["module"] == "layers.0.self_attn" and rope["frame"] == "[0/0] forward"
     assert rope["code"].startswith("return (q * cos) + (rotate_half(q) * sin)")

@@ -44,14 +44,16 @@ def deepseek_v3_inputs(dtype=torch.bfloat16, grad=False):
     return make
 
 
+NORMS = ["rms_norm", "add_rms_norm", "add_rms_norm"]  # a Llama layer's: the embeddings', the residuals'
 ROPE_TRAIN = {"forward": ["rotary_mul"] * 2, "backward": ["rotary_mul_backward"] * 2}
+LLAMA_TRAIN = {**ROPE_TRAIN, "forward": ["rotary_mul"] * 2 + NORMS}
 PARTIAL = ["inplace_partial_rotary_mul"] * 2
 CASES = {  # name: (function maker, inputs, training, {soc: {graph kind: fused ops}})
-    "llama-inference": (llama, hidden, False, {soc: {"inference": ["rotary_mul"] * 2} for soc in
+    "llama-inference": (llama, hidden, False, {soc: {"inference": ["rotary_mul"] * 2 + NORMS} for soc in
                                                ("generic", "Ascend910B", "Ascend950")}),
     "llama-training": (llama, hidden, True, {
-        "generic": ROPE_TRAIN, "Ascend910B": ROPE_TRAIN,
-        "Ascend950": {**ROPE_TRAIN, "backward": ["rotary_mul_backward"] * 2 + ["softmax_grad_ext"]}}),
+        "generic": LLAMA_TRAIN, "Ascend910B": LLAMA_TRAIN,
+        "Ascend950": {**LLAMA_TRAIN, "backward": ["rotary_mul_backward"] * 2 + ["softmax_grad_ext"]}}),
     # GPT-J's [B, S, 1, rot] tables with B = 1 are no Ascend950 layout of InplacePartialRotaryMul (BSND,
     # B1ND, B11D, 111D): there the rotation of the slice fuses alone
     "gptj-inference": (gptj, hidden, False, {"generic": {"inference": PARTIAL}, "Ascend910B": {"inference": PARTIAL},

@@ -51,8 +51,10 @@ def test_summary_groups_by_module():
     lines = report.summary().splitlines()
     assert lines[0].startswith("graph ") and "[0/0] forward" in lines[0]
     headers = [line.strip() for line in lines[1:] if not line.startswith("    ")]
-    assert headers == ["layers.0.self_attn:", "layers.1.self_attn:"]
-    block = lines[lines.index("  layers.1.self_attn:") + 1:]
+    assert headers == ["layers.0.self_attn:", "layers.1.self_attn:", "layers.0.input_layernorm:", "layers.0:",
+                       "layers.1:"]  # the RMSNorms: the first in its module, the others with their residual adds
+    start = lines.index("  layers.1.self_attn:") + 1
+    block = lines[start:lines.index("  layers.0.input_layernorm:")]
     assert len(block) == 2 and all(line.startswith("    fused rotary_mul at ") for line in block)
     assert "demo_models.py:" in block[0]
 
