@@ -196,7 +196,7 @@ def test_aot_eager_takes_no_mode_or_options(kwargs):
      r"\(e.g. \['partial_rope'\]\), not a str"),
     ("disabled_fusions", ["rope", "ropee"],
      r"config.disabled_fusions=\['rope', 'ropee'\] \(env NPU_FUSE_DISABLE\): unknown fusion name\(s\) \['ropee'\]; "
-     r"registered fusions: \[.*'partial_rope', 'rope'"),
+     r"registered fusions: \[.*'partial_rope', 'rms_norm', 'rope'"),
     ("strict", "yes", r"config.strict='yes' \(env NPU_FUSE_STRICT\): must be True or False"),
 ])
 def test_bad_knob_values_are_named(knob, value, message):
