@@ -526,6 +526,18 @@ def _mean_of_squares(node) -> Optional[tuple]:
     return base, mean, [*nodes, mean, square]
 
 
+_FLOAT_WIDTH = {torch.float16: 16, torch.bfloat16: 16, torch.float32: 32, torch.float64: 64}
+
+
+def _widened(node, source) -> bool:
+    """node is source cast only to wider float dtypes (an exact copy of its values)."""
+    stripped = uncast(node)
+    if stripped.node is not source or not stripped.casts:
+        return False
+    widths = [_FLOAT_WIDTH.get(val(n).dtype) for n in [source, *reversed(stripped.casts)]]
+    return None not in widths and all(a < b for a, b in zip(widths, widths[1:]))
+
+
 def _same_value(a: Node, b: Node) -> bool:
     """a and b compute one value: the same deterministic op of the same arguments."""
     if not (isinstance(a, Node) and isinstance(b, Node) and a.op == b.op == "call_function"):
@@ -568,6 +580,8 @@ def match_rms_core(node) -> Optional[RmsCore]:
         if found is None:
             continue
         base, _, reduce_nodes = found
+        if base is not xf and _widened(base, xf):  # T5: the RMS of x cast up, times x (promoted exactly)
+            xf = base
         if base is not xf and not _same_value(base, xf):
             raise NotFused(f"{node.name} scales {xf.name} by the RMS of another tensor, {base.name}")
         x = uncast(xf)

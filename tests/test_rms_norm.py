@@ -76,6 +76,27 @@ def test_a_float32_weight_on_a_half_activation_keeps_eagers_float32_multiply():
     assert out.dtype == torch.float32 and torch.equal(out, expected)
 
 
+def t5_layer_norm(x, weight):
+    """transformers' T5LayerNorm: the variance of x cast to float32, times x itself (promoted exactly)."""
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + 1e-6)).to(weight.dtype)
+
+
+def test_t5s_variance_of_the_upcast_times_x_itself_fuses():
+    x, weight = torch.randn(2, 5, D, dtype=torch.bfloat16), W.to(torch.bfloat16)
+    out, reports = compile_fused(t5_layer_norm, x, weight)
+    assert [(m.op, m.detail) for r in reports for m in r.matches] == [("rms_norm", "from bfloat16, weight")]
+    assert_close(out, t5_layer_norm(x, weight), torch.bfloat16)
+
+
+def test_the_rms_of_an_upcast_times_a_rounded_copy_is_a_near_miss():
+    fn = lambda x: x.to(torch.float16) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)  # noqa: E731
+    x = torch.randn(2, 5, D)
+    out, reports = compile_fused(fn, x)
+    assert fused_ops(reports) == [] and any("by the RMS of another tensor" in r for r in near_miss_reasons(reports))
+    assert_close(out, fn(x))
+
+
 def test_autocast_bf16_fuses():
     proj, norm = torch.nn.Linear(D, D), LlamaRMSNorm(D)
     x = torch.randn(2, 5, D)
