@@ -1,10 +1,10 @@
-"""Coverage: how much of each model family's RoPE and attention npu_fuse fuses.
+"""Coverage: how much of each model family's RoPE, attention and RMSNorm npu_fuse fuses.
 
 The zoo is ``npu_fuse_backend.model_zoo``: transformers' own model classes (tiny configs,
 random weights, eager attention). Each family is compiled for inference and for a training
 step; per fused op the table gives fused / expected sites (expected: the family's RoPE
-sites, q and k per layer, and one softmax backward per layer), the near-misses, and whether
-the outputs (and gradients) match eager within the dtype's tolerance.
+sites, q and k per layer, one softmax backward per layer, and its RMSNorms in the forward),
+the near-misses, and whether the outputs (and gradients) match eager within the dtype's tolerance.
 
 Run: python benchmarks/coverage.py [--layers 2] [--fallback aot_eager] [--dtype float32]
 """
@@ -82,7 +82,8 @@ def main():
         "coverage", rows,
         f"transformers model classes, {args.layers} layers, {args.dtype}, fallback {args.fallback}, eager "
         "attention; each cell is fused / expected sites of that op (expected: q and k RoPE per layer, forward "
-        "and backward, and one softmax backward per layer in training). "
+        "and backward, one softmax backward per layer in training, and the RMSNorms of the forward: "
+        "the residual add and norm twice per layer, the first norm alone, q/k and MLA latent norms). "
         f"{complete} of {len(rows)} rows fully fused.",
         table(cells, ["family", "mode", *ops, "near-misses", "numerics"]))
     print(f"wrote {path}")

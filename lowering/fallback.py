@@ -29,7 +29,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
 from torch.fx import Graph, GraphModule, Node
 
-from .registry import DECOMPOSITIONS
+from npu_fuse_backend.lowering.registry import DECOMPOSITIONS
 
 GraphPass = Callable[[GraphModule, str], Any]
 
@@ -141,7 +141,7 @@ class FusionPrePass(CustomGraphPass):
         self.graph_pass = graph_pass
 
     def __call__(self, graph: Graph) -> None:
-        from ..report import stash_for_compile_cache
+        from npu_fuse_backend.report import stash_for_compile_cache
 
         gm = graph.owning_module
         report = self.graph_pass(gm, "inductor")
@@ -151,9 +151,9 @@ class FusionPrePass(CustomGraphPass):
     def uuid(self) -> str:
         """Changes whenever the rewritten graph could: our source, any registered fusion's
         source, the graph pass, and every config knob but the report-only ones."""
-        from .. import config
-        from ..fusion import registered_fusions
-        from ..soc import resolve_soc
+        from npu_fuse_backend import config
+        from npu_fuse_backend.fusion import registered_fusions
+        from npu_fuse_backend.soc import resolve_soc
 
         knobs = {**config.save_config_portable(), "soc": resolve_soc()}
         fusions = {name: _source_digest(inspect.getsourcefile(cls)) for name, cls in registered_fusions().items()}
@@ -194,8 +194,8 @@ class NpuSettingIgnored(UserWarning):
 
 def npu_only_setting(kind: str, name: str) -> Optional[str]:
     """What an NPU lowering makes of mode (``kind`` "mode") or option ``name``; None if none takes it."""
-    from .npu import TORCH_COMPILE_MODES, TORCHAIR_MODES, TORCHAIR_OPTIONS
-    from .npugraph_ex import LOWERING, NPUGRAPH_EX_OPTIONS
+    from npu_fuse_backend.lowering.npu import TORCH_COMPILE_MODES, TORCHAIR_MODES, TORCHAIR_OPTIONS
+    from npu_fuse_backend.lowering.npugraph_ex import LOWERING, NPUGRAPH_EX_OPTIONS
 
     if kind == "mode":
         if name == LOWERING:
@@ -228,8 +228,8 @@ def ignore_npu_settings(lowering: str, example_inputs, ignored: list) -> None:
     that compiles; an error under ``config.strict``."""
     if not ignored:
         return
-    from .. import config
-    from .npu import why_not_npu
+    from npu_fuse_backend import config
+    from npu_fuse_backend.lowering.npu import why_not_npu
 
     message = (f"npu_fuse: {why_not_npu(example_inputs)}, so the fallback {lowering} compiles this graph and "
                f"ignores what only an NPU lowering takes: {', '.join(ignored)}")
@@ -239,8 +239,8 @@ def ignore_npu_settings(lowering: str, example_inputs, ignored: list) -> None:
 
 
 def _npu_names() -> list:
-    from .npu import TORCHAIR_OPTIONS
-    from .npugraph_ex import NPUGRAPH_EX_OPTIONS
+    from npu_fuse_backend.lowering.npu import TORCHAIR_OPTIONS
+    from npu_fuse_backend.lowering.npugraph_ex import NPUGRAPH_EX_OPTIONS
 
     return sorted(TORCHAIR_OPTIONS | NPUGRAPH_EX_OPTIONS)
 
@@ -251,7 +251,7 @@ def inductor_config_patches(mode: Optional[str], options: Optional[dict]) -> dic
     import torch._inductor
     from torch._inductor import config as inductor_config
 
-    from .npu import TORCH_COMPILE_MODES, TORCHAIR_MODES
+    from npu_fuse_backend.lowering.npu import TORCH_COMPILE_MODES, TORCHAIR_MODES
 
     modes = torch._inductor.list_mode_options()
     if mode is not None and mode not in modes:

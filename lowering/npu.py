@@ -10,7 +10,7 @@ Around them (``torchair_pre_pass``):
   so its fusions become near-misses naming the missing op and the compile goes on;
 - no copies of mutated graph inputs: in GE mode, a fused in-place op on a graph input is
   re-inplaced (``reinplace_graph_inputs``; the evidence is in
-  ``converters/inplace_partial_rotary_mul.py``).
+  ``converters/partial_rope.py``).
 
 ``torch.compile``'s ``mode`` picks torchair's mode and its ``options`` set fields of the
 ``CompilerConfig`` by dotted name (``"debug.run_eagerly"``), always on a copy of the
@@ -30,8 +30,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from ..soc import resolve_soc, unknown_soc_reason
-from .registry import register_npu_kernels
+from npu_fuse_backend.soc import resolve_soc, unknown_soc_reason
+from npu_fuse_backend.lowering.registry import register_npu_kernels
 
 GE_MODE = "max-autotune"  # torchair's GE graph mode (reduce-overhead runs aclgraph, with eager kernels)
 
@@ -109,7 +109,7 @@ def npu_usable(example_inputs) -> bool:
 
 def why_not_npu(example_inputs) -> str:
     """Why a graph goes to the fallback lowering, in words."""
-    from .. import config
+    from npu_fuse_backend import config
 
     if config.lowering == "fallback":
         return "config.lowering='fallback'"
@@ -120,7 +120,7 @@ def why_not_npu(example_inputs) -> str:
 
 def load_converters() -> None:
     """Register every GE converter in ``converters/`` with torchair (idempotent)."""
-    from .. import converters
+    from npu_fuse_backend import converters
 
     for info in pkgutil.iter_modules(converters.__path__):
         importlib.import_module(f"{converters.__name__}.{info.name}")
@@ -130,7 +130,7 @@ def unsupported_ops(soc: str) -> dict:
     """{fused op name: why the torchair lowering cannot take it on ``soc`` with the installed CANN}."""
     from torchair.core import _torchair
 
-    from ..converters.common import GE_OPS
+    from npu_fuse_backend.converters.common import GE_OPS
 
     load_converters()
     reasons = {}
@@ -187,7 +187,7 @@ def reinplace_graph_inputs(gm: GraphModule) -> int:
     torchair's TensorMove copy of it never appears. Only where nothing else reads the input.
     Returns how many calls were re-inplaced.
     """
-    from ..converters.common import IN_PLACE_ON_GRAPH_INPUTS
+    from npu_fuse_backend.converters.common import IN_PLACE_ON_GRAPH_INPUTS
 
     graph = gm.graph
     count = 0

@@ -5,22 +5,23 @@ from typing import Optional
 
 from torch.fx import GraphModule
 
-from .lowering import fallback, npu, npugraph_ex
+from npu_fuse_backend.lowering import fallback, npu, npugraph_ex
 
 from . import config
-from .fusion import PassManager
+from .fusion import FusionSettings, PassManager, check_config
 from .report import GraphReport, drain_cached_reports
 
 log = logging.getLogger("npu_fuse")
 
 
-def run_fusion_passes(gm: GraphModule, lowering: str = "", unsupported_ops: Optional[dict] = None) -> GraphReport:
+def run_fusion_passes(gm: GraphModule, lowering: str = "", unsupported_ops: Optional[dict] = None, *,
+                      settings: Optional[FusionSettings] = None) -> GraphReport:
     """Run every enabled fusion pass over one aten graph, in place; returns its report.
 
     ``unsupported_ops`` maps a fused op's name to why the lowering cannot take it (its
-    rewrites become near-misses with that reason)."""
-    config.validate()
-    return PassManager()(gm, lowering, unsupported_ops)
+    rewrites become near-misses with that reason). ``settings``: the config values to run
+    with (default: the config now, checked)."""
+    return PassManager(settings=settings)(gm, lowering, unsupported_ops)
 
 
 def npu_fuse_backend(gm: GraphModule, example_inputs, *, mode: Optional[str] = None,
@@ -34,7 +35,7 @@ def npu_fuse_backend(gm: GraphModule, example_inputs, *, mode: Optional[str] = N
     ``config.fallback``: inductor (``mode``/``options`` as for ``backend="inductor"``)
     or aot_eager (neither).
     """
-    config.validate()
+    check_config()
     use_npu = config.lowering == "npu" or (config.lowering == "auto" and npu.npu_usable(example_inputs))
     if use_npu and mode == npugraph_ex.LOWERING:
         compiled = npugraph_ex.compile_with_npugraph_ex(gm, example_inputs, run_fusion_passes, options=options)
@@ -68,7 +69,7 @@ def get_npu_backend(*, compiler_config=None, custom_decompositions: Optional[dic
 
     def npu_fuse_torchair(gm: GraphModule, example_inputs, *, mode: Optional[str] = None,
                           options: Optional[dict] = None):
-        config.validate()
+        check_config()
         return npu.compile_with_torchair(gm, example_inputs, run_fusion_passes, compiler_config=compiler_config,
                                          custom_decompositions=custom_decompositions, mode=mode, options=options)
 
@@ -95,7 +96,7 @@ def get_npugraph_ex_backend(*, compiler_config=None, custom_decompositions: Opti
 
     def npu_fuse_npugraph_ex(gm: GraphModule, example_inputs, *, mode: Optional[str] = None,
                              options: Optional[dict] = None):
-        config.validate()
+        check_config()
         return npugraph_ex.compile_with_npugraph_ex(gm, example_inputs, run_fusion_passes,
                                                     compiler_config=compiler_config,
                                                     custom_decompositions=custom_decompositions, mode=mode,

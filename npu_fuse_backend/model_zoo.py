@@ -7,7 +7,8 @@ Each entry is a model factory with the contract of ``npu-fuse explain module:cal
 
     npu-fuse explain npu_fuse_backend.model_zoo:deepseek_v3 --training
 
-returns ``(model, inputs)``. Attention is transformers' eager implementation, so softmax
+returns ``(model, inputs)``. Expected fusions count per layer, plus ``once`` per model (the first
+layer's norm of the embeddings). Attention is transformers' eager implementation, so softmax
 backward is in the graph (SDPA hides it). transformers is an optional dependency: installed
 by the ``zoo`` extra (``pip install 'npu-fuse[zoo]'``) and the ``test`` extra.
 """
@@ -40,6 +41,7 @@ class Family:
     model_class: str  # the transformers class, e.g. "LlamaForCausalLM"
     forward: dict  # fused op -> sites per layer in the forward (or inference) graph
     backward: dict  # fused op -> sites per layer in the backward graph of a training step
+    once: dict = dataclasses.field(default_factory=dict)  # fused op -> sites per model in the forward graph
 
     def build(self, layers: int = 1, seed: int = 0) -> torch.nn.Module:
         transformers = _import_transformers()
@@ -49,8 +51,11 @@ class Family:
         return getattr(transformers, self.model_class)(config)
 
     def expected(self, kind: str, layers: int) -> dict:
-        per_layer = self.forward if kind in ("forward", "inference") else self.backward
-        return {op: n * layers for op, n in per_layer.items()}
+        forward = kind in ("forward", "inference")
+        counts = {op: n * layers for op, n in (self.forward if forward else self.backward).items()}
+        for op, n in (self.once.items() if forward else ()):
+            counts[op] = counts.get(op, 0) + n
+        return counts
 
 
 def _common(layers: int, **extra) -> dict:
@@ -108,17 +113,24 @@ def _deepseek_v3(layers: int):
 ROPE = {"rotary_mul": 2}  # q and k
 ROPE_BACKWARD = {"rotary_mul_backward": 2}
 SOFTMAX_BACKWARD = {"softmax_grad_ext": 1}
+# RMSNorm decoders: the residual add before each layer's second norm and the next layer's (or the final)
+# norm, and the first layer's norm of the embeddings
+NORMS = {"add_rms_norm": 2}
+FIRST_NORM = {"rms_norm": 1}
 
 FAMILIES = [
-    Family("llama", _config("LlamaConfig"), "LlamaForCausalLM", ROPE, {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
-    Family("qwen2", _config("Qwen2Config"), "Qwen2ForCausalLM", ROPE, {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
-    Family("qwen3", _config("Qwen3Config", head_dim=16), "Qwen3ForCausalLM", ROPE,
-           {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
-    Family("mistral", _config("MistralConfig"), "MistralForCausalLM", ROPE, {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
-    Family("gemma", _config("GemmaConfig", head_dim=16), "GemmaForCausalLM", ROPE,
-           {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
-    Family("phi3", _config("Phi3Config", pad_token_id=0), "Phi3ForCausalLM", ROPE,
-           {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
+    Family("llama", _config("LlamaConfig"), "LlamaForCausalLM", {**ROPE, **NORMS},
+           {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}, FIRST_NORM),
+    Family("qwen2", _config("Qwen2Config"), "Qwen2ForCausalLM", {**ROPE, **NORMS},
+           {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}, FIRST_NORM),
+    Family("qwen3", _config("Qwen3Config", head_dim=16), "Qwen3ForCausalLM",
+           {**ROPE, **NORMS, "rms_norm": 2}, {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}, FIRST_NORM),  # + q/k norms
+    Family("mistral", _config("MistralConfig"), "MistralForCausalLM", {**ROPE, **NORMS},
+           {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}, FIRST_NORM),
+    Family("gemma", _config("GemmaConfig", head_dim=16), "GemmaForCausalLM", {**ROPE, **NORMS},
+           {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}, FIRST_NORM),  # gamma = 1 + weight
+    Family("phi3", _config("Phi3Config", pad_token_id=0), "Phi3ForCausalLM", {**ROPE, **NORMS},
+           {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}, FIRST_NORM),
     Family("phi (partial half)", _config("PhiConfig", **_partial(0.5)), "PhiForCausalLM", ROPE,
            {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
     Family("stablelm (partial half)", _config("StableLmConfig", **_partial(0.25)), "StableLmForCausalLM", ROPE,
@@ -126,11 +138,12 @@ FAMILIES = [
     Family("gpt-neox (partial half)", _gpt_neox, "GPTNeoXForCausalLM", ROPE, {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
     Family("gpt-j (partial interleave)", _gptj, "GPTJForCausalLM", {"inplace_partial_rotary_mul": 2},
            {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
-    Family("cohere (interleave)", _config("CohereConfig"), "CohereForCausalLM", ROPE,
-           {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
+    Family("cohere (interleave)", _config("CohereConfig"), "CohereForCausalLM", {**ROPE, "rms_norm": 1},
+           {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}, FIRST_NORM),  # its LayerNorm: the RMSNorm of x - mean
     Family("falcon", _falcon, "FalconForCausalLM", ROPE, {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
-    Family("deepseek-v3 (interleave)", _deepseek_v3, "DeepseekV3ForCausalLM", {"interleave_rope": 2},
-           {"interleave_rope_backward": 2, **SOFTMAX_BACKWARD}),
+    Family("deepseek-v3 (interleave)", _deepseek_v3, "DeepseekV3ForCausalLM",
+           {"interleave_rope": 2, **NORMS, "rms_norm": 2},  # + the q and kv latents' norms
+           {"interleave_rope_backward": 2, **SOFTMAX_BACKWARD}, FIRST_NORM),
 ]
 BY_NAME = {f.name.split(" ")[0]: f for f in FAMILIES}
 

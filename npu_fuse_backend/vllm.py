@@ -54,7 +54,8 @@ from torch.fx import Graph, GraphModule
 
 from . import config
 from .backend import run_fusion_passes
-from .lowering.fallback import FusionPrePass, decompose_fused_ops
+from .fusion import check_config
+from npu_fuse_backend.lowering.fallback import FusionPrePass, decompose_fused_ops
 from .report import GraphReport, stash_for_compile_cache
 
 REPORT_FILE_ENV = "NPU_FUSE_REPORT_FILE"
@@ -83,7 +84,7 @@ class NpuFusePass(*_BASES):
         self.pass_name = type(self).__name__
         self.config = {**config.save_config_portable(), **config_patches}
         with config.patch(**self.config):
-            config.validate()  # a bad knob fails here, not in the worker
+            check_config()  # a bad knob fails here, not in the worker
         self.report_file = report_file if report_file is not None else os.environ.get(REPORT_FILE_ENV) or None
 
     def __call__(self, graph) -> None:

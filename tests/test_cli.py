@@ -82,7 +82,7 @@ def test_demo_table_fits_its_columns_and_progress_goes_to_stderr(monkeypatch):
     start = header.index("fused ops")
     assert rule.index("  -") + 2 == start  # the model column's rule ends two spaces before the next column
     for row in rows:
-        assert row[start:].startswith("rotary_mul x2") and row[start - 2:start] == "  ", row
+        assert row[start:].startswith("add_rms_norm x2, rms_norm x1, rotary_mul x2") and row[start - 2:start] == "  ", row
     assert rows[1].startswith("llama-decoder-with-a-long-name (bfloat16)")
     assert err.getvalue().splitlines() == [
         "compiling llama-decoder (npu_fuse on aot_eager)...", "compiling llama-decoder (aot_eager alone) and timing it...",
@@ -171,7 +171,8 @@ def test_explain_a_model_factory_as_json(tmp_path, monkeypatch):
     graphs = json.loads(out.getvalue())["graphs"]
     assert [g["kind"] for g in graphs] == ["forward", "backward"]
     ops = sorted(m["op"] for g in graphs for m in g["matches"])
-    assert ops == ["rotary_mul"] * 2 + ["rotary_mul_backward"] * 2 + ["softmax_grad_ext"]
+    assert ops == ["add_rms_norm"] * 2 + ["rms_norm"] + ["rotary_mul"] * 2 + ["rotary_mul_backward"] * 2 + \
+        ["softmax_grad_ext"]
     rope = graphs[0]["matches"][0]
     assert rope["module"] == "layers.0.self_attn" and rope["frame"] == "[0/0] forward"
     assert rope["code"].startswith("return (q * cos) + (rotate_half(q) * sin)")

@@ -140,7 +140,7 @@ def test_cache_key_follows_registered_fusions_and_the_graph_pass(monkeypatch):
     base = uuid()
 
     class NoOpFusion(FusionPass):
-        name = family = "no_op_test_fusion"
+        name = "no_op_test_fusion"
 
         def find(self, ctx):
             return []
@@ -154,8 +154,8 @@ def test_cache_key_follows_registered_fusions_and_the_graph_pass(monkeypatch):
 
 def test_cache_key_hashes_every_source_file_of_the_package():
     sources = _package_sources()
-    for name in ("npu_fuse_backend.fusion", "npu_fuse_backend.passes.rope", "npu_fuse_backend.lowering.ops.rotary_mul",
-                 "npu_fuse_backend.lowering.fallback", "npu_fuse_backend.converters.rotary_mul"):
+    for name in ("npu_fuse_backend.fusion", "npu_fuse_backend.passes.rope", "npu_fuse_backend.lowering.ops.rope",
+                 "npu_fuse_backend.lowering.fallback", "npu_fuse_backend.converters.rope"):
         assert name in sources and sources[name].is_file(), name
 
 

@@ -12,15 +12,8 @@ from torch._dynamo.utils import counters
 
 import npu_fuse
 from conftest import assert_close, fused_ops
+from models import rope, rope_args
 from npu_fuse_backend import config
-
-
-def rope(q, cos, sin):
-    return q * cos + torch.cat((-q[..., 8:], q[..., :8]), -1) * sin
-
-
-def rope_args():
-    return torch.randn(2, 3, 4, 16), torch.randn(1, 3, 1, 16), torch.randn(1, 3, 1, 16)
 
 
 @pytest.fixture
@@ -281,7 +274,7 @@ def test_the_npu_option_names_are_the_wheels(torchair):
      r"\(e.g. \['partial_rope'\]\), not a str"),
     ("disabled_fusions", ["rope", "ropee"],
      r"config.disabled_fusions=\['rope', 'ropee'\] \(env NPU_FUSE_DISABLE\): unknown fusion name\(s\) \['ropee'\]; "
-     r"registered fusions: \[.*'partial_rope', 'rope'"),
+     r"registered fusions: \[.*'partial_rope', 'rms_norm', 'rope'"),
     ("strict", "yes", r"config.strict='yes' \(env NPU_FUSE_STRICT\): must be True or False"),
 ])
 def test_bad_knob_values_are_named(knob, value, message):

@@ -1,6 +1,6 @@
 """The model zoo (transformers' own model classes, tiny configs): one training step of each
-family through npu_fuse fuses every expected RoPE site (forward and backward) and softmax
-backward, with outputs and gradients equal to eager's. benchmarks/coverage.py runs the same
+family through npu_fuse fuses every expected RoPE site (forward and backward), softmax
+backward and RMSNorm (forward), with outputs and gradients equal to eager's. benchmarks/coverage.py runs the same
 zoo at two layers, for inference too."""
 
 import collections
@@ -35,8 +35,12 @@ def test_training_step_fuses_every_site_with_eager_numerics(family):
     assert not [n for r in reports for n in r.near_misses if n.family != "mla_preprocess"]
     for g, e in zip(got, expected):
         assert_close(g, e)
-    attention = [m.module for r in reports for m in r.matches]
+    attention = [m.module for r in reports for m in r.matches if m.family != "rms_norm"]
     assert all(module.endswith(("self_attn", "attention", "attn")) for module in attention), attention
+    norms = [(m.op, m.module) for r in reports for m in r.matches if m.family == "rms_norm"]
+    # a norm in its own module; an add_rms_norm where its residual add is: the decoder layer
+    assert all(module.endswith("norm") if op == "rms_norm" else ".layers." in module + "." for op, module in norms), \
+        norms
 
 
 def test_factories_follow_the_explain_contract():

@@ -50,6 +50,10 @@ def input_copies(capture) -> list:
             if user.target in copies and user.args[-1 if user.target is torch.ops.aten.copy_.default else 0] is x]
 
 
+# the Llama block's fused ops, in graph order: its first RMSNorm, RoPE on q and k, the residual adds + RMSNorms
+LLAMA_FORWARD = ["rms_norm", "rotary_mul", "rotary_mul", "add_rms_norm", "add_rms_norm"]
+
+
 def llama():
     return LlamaModel(DecoderConfig(hidden=64, heads=2, kv_heads=1, head_dim=64, intermediate=64))
 
@@ -75,7 +79,8 @@ def test_llama_inference_graph_holds_the_fused_ops(soc, dynamic):
         expected = model(x, pos)
         got, (capture,) = npugraph_ex_run(model, x, pos, dynamic=dynamic)
     assert capture.phase == "forward" and capture.graph_module is not None
-    assert fused_names(capture) == ["rotary_mul", "rotary_mul"]
+    # dynamic=True: the RMSNorms' eps is a graph input, a near-miss (test_rms_norm.py)
+    assert fused_names(capture) == (["rotary_mul", "rotary_mul"] if dynamic else LLAMA_FORWARD)
     assert [r.lowering for r in nf.get_reports()] == ["npugraph_ex"]
     assert_close(got, expected)
 
@@ -168,8 +173,8 @@ def test_captured_llama_runs_with_torch_npus_kernels(soc, npu_kernels):
     with nf.config.patch(soc=soc):
         captures = npugraph_ex_graphs_of(model, x, pos)
         called = [assert_kernels_compute_the_graph(c, kernels) for c in captures]
-    expected = {"Ascend910B": [["rotary_mul"] * 2, ["rotary_mul_backward"] * 2],
-                "Ascend950": [["rotary_mul"] * 2, ["softmax_grad_ext"] + ["rotary_mul_backward"] * 2]}
+    expected = {"Ascend910B": [LLAMA_FORWARD, ["rotary_mul_backward"] * 2],
+                "Ascend950": [LLAMA_FORWARD, ["softmax_grad_ext"] + ["rotary_mul_backward"] * 2]}
     assert [c.phase for c in captures] == ["forward", "backward"]
     assert called == expected[soc]
 
@@ -198,7 +203,7 @@ def test_npugraph_ex_captures_backward_graphs_too():
     with nf.config.patch(soc="Ascend950"):
         captures = npugraph_ex_graphs_of(model, x.detach().requires_grad_(True), pos)
     assert [(c.phase, sorted(set(fused_names(c)))) for c in captures] == [
-        ("forward", ["rotary_mul"]), ("backward", ["rotary_mul_backward", "softmax_grad_ext"])]
+        ("forward", sorted(set(LLAMA_FORWARD))), ("backward", ["rotary_mul_backward", "softmax_grad_ext"])]
     got_x = x.detach().requires_grad_(True)
     with nf.config.patch(soc="Ascend950"):
         npugraph_ex_run(model, got_x, pos)
@@ -247,7 +252,7 @@ def test_mode_npugraph_ex_on_an_npu_lowers_through_npugraph_ex():
     model, (x, pos) = llama(), hidden()
     with torch.no_grad(), nf.config.patch(lowering="npu", soc="Ascend910B"):  # lowering="npu": as on an NPU
         captures = npugraph_ex_graphs_of(model, x, pos, backend="npu_fuse", mode="npugraph_ex")
-    assert [fused_names(c) for c in captures] == [["rotary_mul", "rotary_mul"]]
+    assert [fused_names(c) for c in captures] == [LLAMA_FORWARD]
     assert [r.lowering for r in nf.get_reports()] == ["npugraph_ex"]
 
 
@@ -268,7 +273,7 @@ def test_get_npugraph_ex_backend_copies_the_config_and_runs_the_users_pass_after
         for _ in range(2):  # reusing the config does not stack our pass up
             (capture,) = npugraph_ex_graphs_of(model, x, pos, backend=backend, options={"clone_input": False})
             assert capture.config["frozen_parameter"] is True and capture.config["clone_input"] is False
-    assert seen == [["rotary_mul"], ["rotary_mul"]]  # ours ran first, exactly once each time
+    assert seen == [sorted(set(LLAMA_FORWARD))] * 2  # ours ran first, exactly once each time
     assert cfg.post_grad_custom_pre_pass.value is my_pass and cfg.clone_input.value is True  # never modified
 
 
@@ -300,8 +305,8 @@ def test_the_one_liner_for_backend_npugraph_ex():
     with torch.no_grad():
         (capture,) = npugraph_ex_graphs_of(model, x, pos, backend=backend_npugraph_ex,
                                            options={"post_grad_custom_pre_pass": npu_fuse.npugraph_ex_pre_pass})
-    assert fused_names(capture) == ["rotary_mul", "rotary_mul"]
-    assert [(r.lowering, len(r.matches)) for r in nf.get_reports()] == [("npugraph_ex", 2)]
+    assert fused_names(capture) == LLAMA_FORWARD
+    assert [(r.lowering, len(r.matches)) for r in nf.get_reports()] == [("npugraph_ex", len(LLAMA_FORWARD))]
     assert CAPTURES[-1] is capture
 
 

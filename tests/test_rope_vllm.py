@@ -64,7 +64,7 @@ def inference():
 def test_fuses_in_both_functionalized_forms(v2, is_neox, rotary_dim):
     reports = check_fuses(VllmAttentionPrologue(rotary_dim=rotary_dim, is_neox=is_neox), inputs(), v2=v2)
     match = reports[0].matches[0]
-    assert match.family == "rope" and f"mode={'half' if is_neox else 'interleave'}" in match.detail
+    assert match.family == "rope_vllm" and f"mode={'half' if is_neox else 'interleave'}" in match.detail
     assert ("rotary_dim=16 of head_size 32" in match.detail) == (rotary_dim == 16)
 
 

@@ -10,32 +10,22 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import npu_fuse_backend as nf
 from conftest import assert_close, compile_fused, fused_ops, near_miss_reasons
+import models
+from models import rope, rotate_every_two
 from npu_fuse_backend import fusion, validate
 from npu_fuse_backend.demo_models import DeepSeekMLA, MLAConfig
 from npu_fuse_backend.passes.mla_preprocess import MlaPreprocessFusion
-from npu_fuse_backend.passes.partial_rope import PartialRotaryFusion
-from npu_fuse_backend.passes.rope import RotaryMulFusion
-from npu_fuse_backend.passes.softmax_grad import SoftmaxGradExtFusion
-from test_mla_fusion import decode, projections_and_rope, relative_error
+from npu_fuse_backend.passes.partial_rope import PartialRopeFusion
+from npu_fuse_backend.passes.rope import RopeFusion
+from npu_fuse_backend.passes.softmax_grad import SoftmaxGradFusion
+from test_mla_preprocess import decode, projections_and_rope, relative_error
 
 aten = torch.ops.aten
 DIFFERS = "replacement differs from the subgraph"
 
 
-def rotate_half(x):
-    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), -1)
-
-
-def rotate_every_two(x):
-    return torch.stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)
-
-
-def rope(q, cos, sin):
-    return q * cos + rotate_half(q) * sin
-
-
 def rope_args(seq=5):
-    return torch.randn(2, seq, 3, 16), torch.randn(1, seq, 1, 16), torch.randn(1, seq, 1, 16)
+    return models.rope_args(seq=seq, heads=3)
 
 
 def tally():
@@ -92,13 +82,13 @@ def softmax_chain(g, p):
 
 HALF_TABLES = (torch.randn(1, 5, 1, 8), torch.randn(1, 5, 1, 8))
 CASES = {
-    "rope": (RotaryMulFusion, rope, lambda: rope_args()),
-    "rope complex": (RotaryMulFusion, complex_rope,
+    "rope": (RopeFusion, rope, lambda: rope_args()),
+    "rope complex": (RopeFusion, complex_rope,
                      lambda: (torch.randn(2, 5, 3, 16), torch.polar(torch.ones(5, 1, 8), torch.randn(5, 1, 8)))),
-    "partial cat": (PartialRotaryFusion, partial_cat, lambda: (torch.randn(2, 5, 3, 16), *HALF_TABLES)),
-    "partial written back": (PartialRotaryFusion, partial_written_back,
+    "partial cat": (PartialRopeFusion, partial_cat, lambda: (torch.randn(2, 5, 3, 16), *HALF_TABLES)),
+    "partial written back": (PartialRopeFusion, partial_written_back,
                              lambda: (torch.randn(2, 5, 3, 16), *HALF_TABLES)),
-    "softmax_grad": (SoftmaxGradExtFusion, softmax_chain,
+    "softmax_grad": (SoftmaxGradFusion, softmax_chain,
                      lambda: (torch.randn(2, 4, 8), torch.randn(2, 4, 8).softmax(-1))),
 }
 
@@ -125,7 +115,7 @@ def test_the_same_wrong_replacement_would_ship_without_validation(monkeypatch, c
 
 
 def test_a_wrong_backward_rewrite_is_refused_in_a_training_graph(monkeypatch):
-    perturb(monkeypatch, RotaryMulFusion, only_op="rotary_mul_backward")
+    perturb(monkeypatch, RopeFusion, only_op="rotary_mul_backward")
     q, cos, sin = rope_args()
     leaf = q.clone().requires_grad_()
     with nf.config.patch(fallback="aot_eager"):
@@ -251,7 +241,7 @@ def test_mla_a_wrong_output_of_the_replacement_is_found_on_valid_slots(monkeypat
 def run_pass(fn, args, replacement, target):
     """Fuse fn's ``target`` node into ``replacement(b, *node.args)`` with a one-off pass."""
     class OneOff(fusion.FusionPass):
-        name = family = "one_off"
+        name = "one_off"
         anchor_targets = (target,)
 
         def match(self, ctx, anchor):
@@ -299,7 +289,7 @@ def test_large_inputs_run_on_shrunk_shapes(monkeypatch):
     out, reports = compile_fused(rope, *args)
     assert fused_ops(reports) == ["rotary_mul"]
     assert shrinks and 64 in shrinks[0] and shrinks[0][64] < 64
-    perturb(monkeypatch, RotaryMulFusion)
+    perturb(monkeypatch, RopeFusion)
     out, reports = compile_fused(rope, *args)
     assert fused_ops(reports) == [] and near_miss_reasons(reports)[0].startswith(DIFFERS)
 
@@ -339,7 +329,6 @@ def test_an_internal_error_of_the_validator_refuses_the_rewrite_never_the_compil
     assert_close(out, rope(*args))
 
 
-
 def test_a_rewrite_identical_to_one_shown_equal_is_not_evaluated_again(monkeypatch):
     runs = []
     run = validate._Validation.run
@@ -355,7 +344,7 @@ def test_a_rewrite_identical_to_one_shown_equal_is_not_evaluated_again(monkeypat
 def test_a_difference_on_shrunk_shapes_that_cannot_be_confirmed_still_refuses(monkeypatch):
     monkeypatch.setattr(validate, "FULL_SIZE_ELEMENTS", 2000)
     monkeypatch.setattr(validate, "MAX_ELEMENTS", 4000)
-    perturb(monkeypatch, RotaryMulFusion)
+    perturb(monkeypatch, RopeFusion)
     out, reports = compile_fused(rope, *rope_args(seq=64))  # 6144 + 2048 input elements
     assert fused_ops(reports) == []
     assert near_miss_reasons(reports)[0].startswith(DIFFERS) and near_miss_reasons(reports)[0].endswith(

@@ -22,14 +22,15 @@ gradient re-interleaved by ``view(..., 2, D/2).transpose(-1, -2).reshape(..., D)
 becomes ``interleave_rope_backward(g, cos, sin)``.
 
 Constraints (near-misses): x 2-D to 4-D (``[T, D]`` and ``[T, N, D]`` are lifted to
-``(B, N, S, D)`` with S = 1), static even head dim, float16/bfloat16/float32, cos/sin
-broadcastable to x's halves (forward 5.x: D/2 wide; reference: D wide), no intermediate
-used outside the subgraph; the per-SoC limits of the op (A2/A3: float16/bfloat16, D = 64,
-cos/sin (B, 1, S or 1, D); no backward kernel there) are checked by the pass manager.
+``(B, N, S, D)`` with S = 1), static head dim, each half's table (forward 5.x: D/2 wide)
+broadcastable to x's half, no intermediate used outside the subgraph, and the op's own argument
+rules (``check_interleave_rope_args``: even head dim, float16/bfloat16/float32, full-width cos/sin
+broadcastable to x), which the op checks on the call the rewrite builds; the per-SoC limits of
+the op (A2/A3: float16/bfloat16, D = 64, cos/sin (B, 1, S or 1, D); no backward kernel there)
+are checked by the pass manager.
 
-Order: before ``rope`` (which would take the half rotation of the reference form alone).
-The MLA prologue pass claims DeepSeek's RoPE inside a full prologue and must run before
-this one; this pass is named so that it does (passes without an order constraint run by name).
+Order (``fusion.PASS_ORDER``): before ``rope`` (which would take the half rotation of the
+reference form alone), after ``mla_preprocess`` (which claims DeepSeek's RoPE inside a full prologue).
 """
 
 from typing import Optional
@@ -39,9 +40,8 @@ from torch.fx import Node
 
 from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
 from ..graph_utils import VIEWS, aten, broadcasts_to, describe, rank, shape_eq, static_int, users_outside, val
-from ..lowering.ops.interleave_rope import FLOAT_DTYPES
 from ..matchers import (PairsToHalfRope, deinterleaved, match_pairs_to_half_rope, match_pairs_to_half_rope_backward,
-                        match_rope_grad_site, match_rope_site, reinterleaved)
+                        match_rope_grad_site, match_rope_site, quiet, reinterleaved)
 
 # Unsqueezes that take x to (B, N, S, D): [T, N, D] -> [T, N, 1, D]; [T, D] -> [T, 1, 1, D].
 LIFT = {4: (), 3: (2,), 2: (1, 2)}
@@ -51,10 +51,8 @@ LIFT = {4: (), 3: (2,), 2: (1, 2)}
 class InterleaveRopeFusion(FusionPass):
     """DeepSeek's interleaved-pairs RoPE (both written forms, forward and backward) -> one op."""
 
-    name = "rope_interleave"
-    family = "rope_interleave"
+    name = "interleave_rope"
     anchor_targets = (aten.cat.default, aten.add.Tensor, *VIEWS)
-    runs_before = ("rope",)
 
     def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
         if anchor.target == aten.cat.default:
@@ -68,7 +66,7 @@ class InterleaveRopeFusion(FusionPass):
             if found is not None:
                 return self._rewrite(anchor, found.x, _full_width(found), found.nodes, backward=True,
                                      form="pairs-to-half")
-            site = _quiet(match_rope_site, anchor)
+            site = quiet(match_rope_site, anchor)
             pairs = deinterleaved(site.x) if site is not None and site.rotation.mode == "half" else None
             if pairs is None:
                 return None
@@ -78,7 +76,7 @@ class InterleaveRopeFusion(FusionPass):
         if found is not None:
             return self._rewrite(anchor, found.x, _full_width(found), found.nodes, backward=True, form="pairs-to-half")
         back = reinterleaved(anchor)
-        site = _quiet(match_rope_grad_site, back.source) if back is not None else None
+        site = quiet(match_rope_grad_site, back.source) if back is not None else None
         if site is None or site.rotation.mode != "half":
             return None
         return self._rewrite(anchor, site.x, (_Table(site.cos), _Table(site.sin)),
@@ -111,20 +109,14 @@ class InterleaveRopeFusion(FusionPass):
         head_dim = static_int(xv.shape[-1])
         if head_dim is None:
             raise NotFused(f"head dim of {x.name} is symbolic ({xv.shape[-1]}); interleave_rope needs a static one")
-        if head_dim % 2:
-            raise NotFused(f"head dim {head_dim} is odd")
-        for name, t in (("x", x), ("result", anchor)):
-            if val(t).dtype not in FLOAT_DTYPES:
-                raise NotFused(f"{name} {t.name} has dtype {val(t).dtype}; interleave_rope takes float16, "
-                               "bfloat16 or float32")
         if not shape_eq(val(anchor).shape, xv.shape):
             raise NotFused(f"result shape {list(val(anchor).shape)} differs from x shape {list(xv.shape)}")
         for name, table in zip(("cos", "sin"), tables):
-            width = head_dim // len(table.nodes)  # full width, or each half's
+            if len(table.nodes) == 1:  # a full-width table: the op's to check
+                continue
+            width = head_dim // 2  # each half's table, concatenated into the op's
             for node in table.nodes:
                 tv = val(node)
-                if tv.dtype not in FLOAT_DTYPES:
-                    raise NotFused(f"{name} {node.name} has dtype {tv.dtype}")
                 shape = [*xv.shape[:-1], width]
                 if tv.dim() > xv.dim() or not broadcasts_to(tv.shape, shape) or static_int(tv.shape[-1]) != width:
                     raise NotFused(f"{name} {node.name} shape {list(tv.shape)} does not broadcast to {shape} "
@@ -148,14 +140,6 @@ class _Table:
             shape = list(torch.broadcast_shapes(val(first).shape, val(second).shape))
             first, second = (b.call(aten.expand.default, n, shape) for n in (first, second))
         return b.call(aten.cat.default, [first, second], -1)
-
-
-def _quiet(matcher, node):
-    """A site another pass owns: its near-misses are that pass's to report."""
-    try:
-        return matcher(node)
-    except NotFused:
-        return None
 
 
 def _full_width(found: PairsToHalfRope) -> tuple:

@@ -18,30 +18,29 @@ only that mode. Half-mode partial RoPE (GPT-NeoX) is left to the full-RoPE pass,
 which fuses the rotation of the slice into ``rotary_mul`` on the slice and keeps the
 cat: the rotation is the costly part and rotary_mul takes any layout.
 
-Constraints (near-misses): x 4-D, static head dim D <= 1024 and even, even slice
-length, one float dtype, cos/sin broadcastable to ``x[..., s:e]`` with last dim
-``e - s``, no intermediate used outside. The cos/sin layouts each SoC accepts are the op's
-``@soc_limits`` (lowering/ops/inplace_partial_rotary_mul.py), checked on every rewrite.
+Constraints (near-misses): static head dim, x and the result of one dtype (the op writes
+x's dtype), no intermediate used outside, and the op's own argument rules
+(``check_inplace_partial_rotary_mul_args``: x 4-D, D <= 1024 and even, even slice length, float
+dtypes, cos/sin broadcastable to ``x[..., s:e]`` with last dim ``e - s``), which the op checks on
+the call the rewrite builds. The cos/sin layouts each SoC accepts are the op's ``@soc_limits``
+(lowering/ops/partial_rope.py), checked on every rewrite.
 """
 
+import dataclasses
 import operator
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 from torch.fx import Node
 
 from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
-from ..graph_utils import aten, broadcasts_to, describe, is_call, norm_dim, rank, shape_eq, size_eq, \
-    slice_scatter_args, static_int, users_outside, val
-from ..lowering.ops.inplace_partial_rotary_mul import FLOAT_DTYPES, MAX_HEAD_DIM
-from ..matchers import RopeSite, last_dim_cat, last_dim_piece, match_rope_site
+from ..graph_utils import aten, describe, is_call, norm_dim, rank, shape_eq, slice_scatter_args, static_int, \
+    users_outside, val
+from ..matchers import RopeSite, last_dim_cat, last_dim_piece, match_rope_site, quiet
 
 
-def size_eq_int(a, b) -> bool:
-    return static_int(a) is not None and static_int(a) == static_int(b)
-
-
-class SliceRope(NamedTuple):
+@dataclasses.dataclass
+class SliceRope:
     """RoPE of ``x[..., start:end]``: the site and the slice nodes it reads x through."""
 
     site: RopeSite
@@ -53,10 +52,7 @@ class SliceRope(NamedTuple):
 
 def rope_on_slice(node) -> Optional[SliceRope]:
     """Interleave RoPE of a step-1 last-dim slice of some x, rooted at node."""
-    try:
-        site = match_rope_site(node) if isinstance(node, Node) else None
-    except NotFused:  # the full-RoPE pass reports this site's near-miss
-        return None
+    site = quiet(match_rope_site, node) if isinstance(node, Node) else None  # rope reports its near-miss
     if site is None or site.rotation.mode != "interleave":
         return None
     piece = last_dim_piece(site.x)
@@ -66,14 +62,12 @@ def rope_on_slice(node) -> Optional[SliceRope]:
 
 
 @register_fusion
-class PartialRotaryFusion(FusionPass):
+class PartialRopeFusion(FusionPass):
     """Interleave RoPE on part of the head dim, kept or written back -> one in-place op."""
 
     name = "partial_rope"
-    family = "partial_rope"
     op = "inplace_partial_rotary_mul"
     anchor_targets = (aten.cat.default, aten.slice_scatter.default)
-    runs_before = ("rope",)  # the full-RoPE pass would otherwise take the slice's rotation alone
 
     def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
         if anchor.target == aten.cat.default:
@@ -142,27 +136,12 @@ class PartialRotaryFusion(FusionPass):
 
     @staticmethod
     def _check(ctx, anchor, found: SliceRope, x, nodes) -> None:
-        site, start, end = found.site, found.start, found.end
         xv = val(x)
-        if xv.dim() != 4:
-            raise NotFused(f"x {x.name} is {xv.dim()}-D; inplace_partial_rotary_mul takes 4-D BSND x")
-        head_dim = static_int(xv.shape[-1])
-        if head_dim is None:
+        if xv.dim() and static_int(xv.shape[-1]) is None:
             raise NotFused(f"head dim of {x.name} is symbolic; the op needs a static one")
-        if size_eq(xv.numel(), 0):
-            raise NotFused(f"x {x.name} of shape {list(xv.shape)} is empty; the op needs every dim > 0")
-        if head_dim > MAX_HEAD_DIM or head_dim % 2:
-            raise NotFused(f"head dim {head_dim} must be even and <= {MAX_HEAD_DIM}")
-        if (end - start) % 2:
-            raise NotFused(f"slice [{start}:{end}] has odd length {end - start}")
-        dtypes = {val(n).dtype for n in (x, site.cos, site.sin, anchor)}
-        if len(dtypes) != 1 or not dtypes <= set(FLOAT_DTYPES):
-            raise NotFused(f"x, cos, sin and the result must share one float dtype, got {sorted(map(str, dtypes))}")
-        slice_shape = list(xv.shape[:3]) + [end - start]
-        for name, t in (("cos", site.cos), ("sin", site.sin)):
-            shape = list(val(t).shape)
-            if len(shape) > 4 or not broadcasts_to(shape, slice_shape) or not size_eq_int(shape[-1], end - start):
-                raise NotFused(f"{name} shape {shape} is not broadcastable to x[..., {start}:{end}] shape {slice_shape}")
+        if val(anchor).dtype != xv.dtype:
+            raise NotFused(f"the result is {val(anchor).dtype}, x {xv.dtype}: the op writes the rotated slice "
+                           "into x, in x's dtype")
         leaked = users_outside(nodes, [anchor])
         if leaked is not None:
             raise NotFused(f"intermediate {describe(leaked)} is used outside the subgraph")

@@ -13,9 +13,10 @@ Pattern. Two shapes of subgraph in aten graphs after AOTAutograd:
   cos/sin are rebuilt from ``freqs_cis`` in the graph, each value repeated per pair.
 
 Constraints (each failure is a near-miss with its reason): x is 4-D (a 3-D
-``[T, N, D]`` or 2-D ``[T, D]`` x is lifted to 4-D and back), static even head dim, cos/sin
-broadcast to x with last dim D, float16/bfloat16/float32, no intermediate used
-outside the subgraph, and the rotated tensor is the one multiplied by cos.
+``[T, N, D]`` or 2-D ``[T, D]`` x is lifted to 4-D and back), static head dim, no intermediate
+used outside the subgraph, the rotated tensor is the one multiplied by cos, and the op's own
+argument rules (``check_rotary_mul_args``: even head dim, cos/sin broadcast to x with last dim D,
+float16/bfloat16/float32), which the op checks on the call the rewrite builds.
 
 Replacement: one ``rotary_mul(x, cos, sin, mode)``, with casts to the dtype eager
 would compute in (type promotion) and unsqueezes to make cos/sin 4-D.
@@ -36,16 +37,14 @@ from torch.fx import Node
 from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
 from ..graph_utils import VIEWS, aten, broadcasts_to, describe, is_call, rank, shape_eq, size_eq, static_int, \
     users_outside, val
-from ..lowering.ops.rotary_mul import FLOAT_DTYPES
 from ..matchers import Rotation, match_rope_grad_site, match_rope_site
 
 
 @register_fusion
-class RotaryMulFusion(FusionPass):
+class RopeFusion(FusionPass):
     """Full-width RoPE on q or k, half or interleave, -> one rotary_mul."""
 
     name = "rope"
-    family = "rope"
     op = "rotary_mul"
     anchor_targets = (aten.add.Tensor, aten.view_as_real.default)
 
@@ -64,7 +63,7 @@ class RotaryMulFusion(FusionPass):
     def _rewrite(self, anchor: Node, rot: Rotation, x: Node, cos: Node, sin: Node,
                  extra: list, backward: bool = False) -> Rewrite:
         nodes = list(dict.fromkeys([*extra, *rot.nodes]))
-        self._check(anchor, x, cos, sin, nodes)
+        self._check(anchor, x, nodes)
         out_dtype = val(anchor).dtype
         x_rank = rank(x)
 
@@ -83,8 +82,8 @@ class RotaryMulFusion(FusionPass):
         return Rewrite(anchor, nodes, op, build, detail=f"mode={rot.mode}")
 
     @staticmethod
-    def _check(anchor: Node, x: Node, cos: Node, sin: Node, nodes: list) -> None:
-        xv, cv, sv = val(x), val(cos), val(sin)
+    def _check(anchor: Node, x: Node, nodes: list) -> None:
+        xv = val(x)
         if xv.dim() not in LIFT:
             raise NotFused(f"x {x.name} is {xv.dim()}-D; rotary_mul takes 4-D BSND/BNSD x "
                            "(3-D [T, N, D] and 2-D [T, D] are lifted)")
@@ -93,17 +92,6 @@ class RotaryMulFusion(FusionPass):
             raise NotFused(f"head dim of {x.name} is symbolic ({xv.shape[-1]}); rotary_mul needs a static one")
         if size_eq(xv.numel(), 0):
             raise NotFused(f"x {x.name} of shape {list(xv.shape)} is empty; nothing to fuse")
-        if head_dim % 2:
-            raise NotFused(f"head dim {head_dim} is odd")
-        for tensor, dtype in ((x, xv.dtype), (cos, cv.dtype), (sin, sv.dtype), (anchor, val(anchor).dtype)):
-            if dtype not in FLOAT_DTYPES:
-                raise NotFused(f"{tensor.name} has dtype {dtype}; rotary_mul takes float16, bfloat16 or float32")
-        for name, t, v in (("cos", cos, cv), ("sin", sin, sv)):
-            if v.dim() > xv.dim() or not broadcasts_to(v.shape, xv.shape):
-                raise NotFused(f"{name} shape {list(v.shape)} ({t.name}) is not broadcastable to "
-                               f"x shape {list(xv.shape)}")
-            if not size_eq(v.shape[-1], head_dim):
-                raise NotFused(f"{name} last dim {v.shape[-1]} != head dim {head_dim}")
         if not shape_eq(val(anchor).shape, xv.shape):
             raise NotFused(f"result shape {list(val(anchor).shape)} differs from x shape {list(xv.shape)}")
         leaked = users_outside(nodes, [anchor])

@@ -55,7 +55,7 @@ from torch.fx import Node
 
 from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
 from ..graph_utils import aten, size_eq, static_int, val
-from ..lowering.ops.rotary_mul import FLOAT_DTYPES
+from ..lowering.common import FLOAT_DTYPES
 from ..validate import register_opaque_indexing
 
 VLLM_ROTARY_EMBEDDING = "_C::rotary_embedding"
@@ -76,7 +76,6 @@ class VllmRotaryEmbeddingFusion(FusionPass):
     """vLLM's in-place ``_C::rotary_embedding`` on query and key -> one rotary_mul each."""
 
     name = "rope_vllm"
-    family = "rope"
     op = "rotary_mul"
     anchor_targets = (_AUTO_FUNCTIONALIZED, _AUTO_FUNCTIONALIZED_V2)
 

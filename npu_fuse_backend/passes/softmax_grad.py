@@ -13,26 +13,27 @@ any order; ``x2`` a Python scalar, a scalar-like tensor, or a tensor of grad's s
   graph (with the copies that write ``y`` back into the view); the result is viewed back to
   ``y``'s shape, which must be contiguous. A scale expanded from one element is that element.
 
-Constraints (each failure is a near-miss with its reason): reduction over the last
-dim with keepdim; grad and x1 of equal shape, rank 1..6, not empty, one dtype in
-fp16/fp32/bf16; x2 scalar-like or grad's shape, of that dtype; static shapes; the
-first Mul and the Sub share grad and both Muls share x1 (by construction of the
-match; ``sum - grad`` is different math and never matches); no intermediate used
-outside the chain; no rewrite that would make the fused op depend on its own
-output. The SoC limit (the GE op exists on Ascend950 only) is the op's ``@soc_limits``.
+Constraints (each failure is a near-miss with its reason): the op's own argument rules
+(``check_softmax_grad_ext_args``: reduction over the last dim with keepdim, grad and x1 of
+equal shape, rank 1..6, not empty, one float dtype, x2 scalar-like or grad's shape), asked
+of the op on the arguments the replacement gives it; static shapes; a number scale that stays
+a normal number in grad's dtype; the first Mul and the Sub share grad and both Muls share x1 (by
+construction of the match; ``sum - grad`` is different math and never matches); no intermediate
+used outside the chain; no rewrite that would make the fused op depend on its own output. The
+SoC limit (the GE op exists on Ascend950 only) is the op's ``unavailable_on``.
 """
 
 import dataclasses
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 from torch.fx import Node
 
-from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
-from ..graph_utils import aten, describe, is_call, norm_dim, static_int, users_outside, val
-from ..lowering.ops.softmax_grad_ext import FLOAT_DTYPES
-from ..matchers import LayoutPath, binary_operands, scalar_like, through_layout, written_back
+from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, check_op_args, register_fusion
+from ..graph_utils import VIEWS, aten, describe, is_call, shape_eq, static_int, users_outside, val
+from ..matchers import binary_operands
+from npu_fuse_backend.lowering.ops.softmax_grad import check_softmax_grad_ext_args
 
 Scalar = (int, float)
 
@@ -50,7 +51,8 @@ def _plain_sub(node) -> bool:
     return binary_operands(node, aten.sub.Tensor) is not None
 
 
-class ReducedProduct(NamedTuple):
+@dataclasses.dataclass
+class ReducedProduct:
     """``sum(a * b, dims, keepdim)``."""
 
     product: Node
@@ -67,6 +69,73 @@ def sum_of_product(node) -> Optional[ReducedProduct]:
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     return ReducedProduct(product, list(dims or []), keepdim)
+
+
+# -- layout-only ops between the chain and its scale -------------------------------------------
+FRESH_BUFFERS = (aten.empty.memory_format, aten.new_empty.default, aten.new_empty_strided.default,
+                 aten.empty_like.default, aten.empty_strided.default)
+
+
+@dataclasses.dataclass
+class LayoutPath:
+    """``node`` computed from ``source`` by ops that only lay the same values out anew
+    (row-major order kept): its value is ``source.reshape(node's shape)``."""
+
+    source: Any
+    nodes: list  # the layout ops, and the fresh buffers values were copied into
+
+
+def copied_into_fresh_buffer(node) -> Optional[Node]:
+    """src for ``copy(empty(...), src)`` of src's shape and dtype (``x.new_empty(...).copy_(src)``
+    after functionalization)."""
+    if not (is_call(node, aten.copy.default) and is_call(node.args[0], *FRESH_BUFFERS) and len(node.args) == 2):
+        return None
+    src = node.args[1]
+    if not (isinstance(src, Node) and shape_eq(val(node).shape, val(src).shape) and val(node).dtype == val(src).dtype):
+        return None
+    return src
+
+
+def through_layout(node) -> LayoutPath:
+    """Walk back from node over view/reshape/_unsafe_view, clone and copies into fresh buffers.
+    Each keeps the values in row-major order, so a replacement computing ``source`` gives node's
+    value as a view of its contiguous result."""
+    nodes = []
+    while True:
+        if is_call(node, *VIEWS, aten.clone.default) and isinstance(node.args[0], Node):
+            if is_call(node, aten.clone.default) and set(node.kwargs) - {"memory_format"}:
+                break
+            nodes.append(node)
+            node = node.args[0]
+            continue
+        src = copied_into_fresh_buffer(node)
+        if src is None:
+            break
+        nodes += [node, node.args[0]]
+        node = src
+    return LayoutPath(node, nodes)
+
+
+def scalar_like(node) -> Any:
+    """The one-element tensor (or number) behind ``expand``/views of it, else node itself."""
+    while is_call(node, aten.expand.default, *VIEWS) and isinstance(node.args[0], Node) \
+            and val(node.args[0]).numel() == 1:
+        node = node.args[0]
+    return node
+
+
+def written_back(node: Node, layout: LayoutPath) -> list:
+    """``copy(dst, node)`` users whose dst is one of layout's nodes and has node's shape, dtype and
+    strides: each equals node's value (the functional form of an in-place op on a view,
+    ``scores /= s``)."""
+    copies = []
+    for user in node.users:
+        if is_call(user, aten.copy.default) and user.args[1] is node and user.args[0] in layout.nodes:
+            dst, value = val(user.args[0]), val(node)
+            if shape_eq(dst.shape, value.shape) and shape_eq(dst.stride(), value.stride()) \
+                    and dst.dtype == value.dtype:
+                copies.append(user)
+    return copies
 
 
 def _scale_value(x2, inverted: bool) -> float:
@@ -114,11 +183,10 @@ class SoftmaxBackward:
 
 
 @register_fusion
-class SoftmaxGradExtFusion(FusionPass):
+class SoftmaxGradFusion(FusionPass):
     """Mul -> ReduceSum -> Sub -> Mul -> Mul, or softmax backward * scale -> softmax_grad_ext."""
 
     name = "softmax_grad"
-    family = "softmax_grad"
     op = "softmax_grad_ext"
     anchor_targets = (aten.mul.Tensor, aten.div.Tensor)
 
@@ -277,33 +345,21 @@ class SoftmaxGradExtFusion(FusionPass):
             symbolic = [s for s in t.shape if static_int(s) is None]
             if symbolic:
                 raise NotFused(f"{name} has symbolic dim {symbolic[0]}: SoftmaxGradExt needs static shapes")
-        if grad.shape != x1.shape:
-            raise NotFused(f"grad shape {list(grad.shape)} != x1 shape {list(x1.shape)}")
-        if not 1 <= grad.dim() <= 6:
-            raise NotFused(f"grad is {grad.dim()}-D; SoftmaxGradExt takes 1-D to 6-D")
-        if grad.numel() == 0:
-            raise NotFused(f"grad shape {list(grad.shape)} is empty; SoftmaxGradExt takes no empty tensors")
+        if not isinstance(x2, torch.Tensor):
+            if not isinstance(chain.x2, Scalar) or isinstance(chain.x2, bool):
+                raise NotFused(f"x2 {chain.x2!r} is not a number or tensor")
+            _check_scalar_scale(chain.x2, chain.scale_inverted, grad.dtype)
+        with ctx.fake_mode:  # the scale as the replacement passes it: one element as [1], a number as a tensor
+            if not isinstance(x2, torch.Tensor):
+                scale = torch.empty(1, dtype=grad.dtype, device=grad.device)
+            else:
+                scale = x2.view(1) if x2.numel() == 1 and tuple(x2.shape) not in ((), (1,)) else x2
+        check_op_args(check_softmax_grad_ext_args, grad, x1, scale, chain.dims, chain.keepdim)
         # the scale's operand: grad's shape, or through layout ops the same values laid out anew
         operand = val(chain.layout.nodes[0]) if chain.layout else grad
         if not _leading_ones_of(val(y).shape, operand.shape):
             raise NotFused(f"the result has shape {list(val(y).shape)} (x2 {_shape_of(x2)} broadcasts it), "
                            f"but softmax_grad_ext returns grad's values in shape {list(operand.shape)}")
-        if len(chain.dims) != 1 or norm_dim(chain.dims[0], grad.dim()) != grad.dim() - 1:
-            raise NotFused(f"reduction over dims {chain.dims}, not the last dim only")
-        if not chain.keepdim:
-            raise NotFused("the reduction drops the reduced dim (keep_dims must be true)")
-        if grad.dtype not in FLOAT_DTYPES or x1.dtype != grad.dtype:
-            raise NotFused(f"grad/x1 dtypes {grad.dtype}/{x1.dtype}: one of float16, bfloat16, float32 required")
-        if isinstance(x2, torch.Tensor):
-            if x2.dtype != grad.dtype:
-                raise NotFused(f"x2 dtype {x2.dtype} != grad dtype {grad.dtype}")
-            if x2.numel() != 1 and x2.shape != grad.shape:
-                raise NotFused(f"x2 shape {list(x2.shape)} is neither scalar-like nor grad's shape "
-                               f"{list(grad.shape)}")
-        elif not isinstance(chain.x2, Scalar) or isinstance(chain.x2, bool):
-            raise NotFused(f"x2 {chain.x2!r} is not a number or tensor")
-        else:
-            _check_scalar_scale(chain.x2, chain.scale_inverted, grad.dtype)
         cycle = self._depends_on_chain(ctx, chain)
         if cycle is not None:
             raise NotFused(f"x2 depends on {describe(cycle)} of the chain: fusing would make the op depend "

@@ -15,13 +15,12 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from ...soc import A2_A3, ASCEND950, fits_layout
-from ..registry import decomposition, npu_kernel, refuse_autograd, soc_limits
-from ..rope_math import check_one_device, compute_dtype, rotate
+from npu_fuse_backend.soc import A2_A3, ASCEND950, fits_layout
+from npu_fuse_backend.lowering.registry import decomposition, npu_kernel, refuse_autograd, soc_limits
+from npu_fuse_backend.lowering.common import FLOAT_DTYPES, check_one_device, compute_dtype, rotate
 
 __all__ = ["inplace_partial_rotary_mul"]  # public entry points (npu_fuse.ops)
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 1024
 SCHEMA_TAIL = "Tensor r1, Tensor r2, *, str rotary_mode='interleave', int[2] partial_slice=[0, 0]) -> ()"
 

@@ -119,7 +119,7 @@ def test_a_cann_without_mla_preprocess_gets_the_stages_in_ordinary_ops():
 
 def _direct_call(cache_mode, dtype=torch.bfloat16, quantized=False, heads=16):
     """(step, args): one direct op call whose every tensor is a graph input (Data i = args[i])."""
-    from mla_inputs import make_inputs
+    from mla_inputs import make_inputs, positional_and_keywords
 
     a, kw = make_inputs(tokens=TOKENS, heads=heads, cache_mode=cache_mode, quantized=quantized, dtype=dtype)
     if cache_mode == M.KVCACHE:
@@ -131,7 +131,7 @@ def _direct_call(cache_mode, dtype=torch.bfloat16, quantized=False, heads=16):
             t.shape
         given = dict(zip(names, args))
         given.setdefault("kv_cache_rope", torch.empty(0))
-        positional = [given.pop(n) for n in M.ARG_NAMES]
+        positional, given = positional_and_keywords(given)
         q0, _, q1, _ = M.mla_preprocess(*positional, **given, **kw)
         return q0, q1
 
@@ -173,7 +173,7 @@ def test_float16_w8a8_descale_goes_to_mla_preprocess_as_int64_float_bits():
 def test_nz_cache_modes_are_refused_by_the_conversion_with_the_reason():
     step, args = _direct_call(M.NZCACHE)
     with nf.config.patch(soc="Ascend910B"), torch.no_grad(), \
-            pytest.raises(Exception, match="cache_mode 3 / quant_mode 0 is not converted"):
+            pytest.raises(Exception, match="under torchair: cache_mode 3: the GE conversion writes ND caches"):
         ge_graphs_of(step, *args)
 
 
