@@ -280,7 +280,8 @@ def _float_cast(node: Node) -> bool:
 
 def linear_operands(node) -> Optional[list]:
     """[(operand, role)] when node is linear in its "linear" operands (each a linear value or zeros)
-    and computed with "free" ones that must not depend on them; None for any other op."""
+    and computed with "free" ones that must not depend on them ("layout": only the layout is read,
+    a linear value or a fill); None for any other op."""
     if not isinstance(node, Node) or node.op != "call_function" or not isinstance(val(node), torch.Tensor):
         return None
     args = node.args
@@ -302,7 +303,17 @@ def linear_operands(node) -> Optional[list]:
         return [(args[0], "linear"), (args[1], "linear")]
     if is_call(node, aten.cat.default) and all(isinstance(a, Node) for a in args[0]):
         return [(a, "linear") for a in args[0]]
+    if is_call(node, aten.copy.default) and len(args) == 2 and all(isinstance(a, Node) for a in args) \
+            and not node.kwargs and val(args[1]).is_floating_point():
+        # functional copy_: src's values (cast to dst's dtype) in dst's layout; dst's values are overwritten
+        return [(args[0], "layout"), (args[1], "linear")]
     return None
+
+
+def is_fill(node, role: str) -> bool:
+    """A value a region may read whatever it is scaled by: zeros, or (as the destination of a copy,
+    whose values are overwritten) a fresh buffer."""
+    return is_zero_fill(node) or (role == "layout" and is_call(node, *FRESH_BUFFERS))
 
 
 @dataclasses.dataclass
@@ -314,6 +325,7 @@ class Region:
     operand: Node  # the value the scale multiplies
     exits: list = dataclasses.field(default_factory=list)  # region values read elsewhere, unscaled
     scale: Any = None  # y's other operand
+    copies: list = dataclasses.field(default_factory=list)  # copy(region view, y): each equals y
     inverted: bool = False  # y divides by scale
 
     def core_nodes(self) -> list:
@@ -537,25 +549,31 @@ class SoftmaxGradFusion(FusionPass):
         while frontier and grown < REGION_LIMIT:
             node = frontier.pop()
             for user in list(node.users):
-                if user in inside or user is y:
+                if user in inside or user is y or is_fill(user, "layout"):
                     continue
-                spec = linear_operands(user) if not is_zero_fill(user) else [(a, "linear") for a in
-                                                                              user.all_input_nodes]
-                if spec is None or not all(op in inside or is_zero_fill(op) if role == "linear" else
-                                           not isinstance(val(op), torch.Tensor) or _reaches(ctx, [op], inside) is None
-                                           for op, role in spec):
+                spec = linear_operands(user)
+                if spec is None:
+                    continue
+                fills = [op for op, role in spec if role != "free" and op not in inside and is_fill(op, role)]
+                if not all(op in inside or op in fills if role != "free" else
+                           not isinstance(val(op), torch.Tensor) or _reaches(ctx, [op], inside) is None
+                           for op, role in spec):
                     continue
                 # the replacement is built before y: what the grown node reads from outside must exist there
-                if any(op not in inside and ctx.position(op) > ctx.position(y) for op in user.all_input_nodes):
+                reads = [op for op in user.all_input_nodes if op not in inside]
+                if any(ctx.position(op) > ctx.position(y) for op in reads):
                     continue
-                inside.add(user)
-                region.nodes.append(user)
+                for added in [*(f for f in fills if any(i in inside for i in f.all_input_nodes)), user]:
+                    inside.add(added)
+                    region.nodes.append(added)
                 frontier.append(user)
                 grown += 1
         region.nodes.sort(key=ctx.position)
         members = {*region.nodes, *region.cores}
+        # copies writing y back into a region view (the functional form of ``scores *= s``) equal y
+        region.copies = written_back(y, LayoutPath(region.operand, region.nodes))
         region.exits = [n for n in sorted(members, key=ctx.position)
-                        if any(u not in members and u is not y for u in n.users)]
+                        if any(u not in members and u is not y and u not in region.copies for u in n.users)]
         region.scale, region.inverted = scale, inverted
         return region
 
@@ -592,7 +610,7 @@ class SoftmaxGradFusion(FusionPass):
         factor = self._check_exits(region, y, x2, inverted)
         inside = {*region.nodes, *region.cores}
         for exit_node in region.exits:  # the replacement is built before y: every reader must come after it
-            early = [u for u in exit_node.users if u not in inside and u is not y
+            early = [u for u in exit_node.users if u not in inside and u is not y and u not in region.copies
                      and ctx.position(u) < ctx.position(y)]
             if early:
                 raise NotFused(f"{describe(early[0])} reads {exit_node.name} before {y.name} computes the scaled "
@@ -602,7 +620,7 @@ class SoftmaxGradFusion(FusionPass):
             if cycle is not None:
                 raise NotFused(f"x2 depends on {describe(cycle)} of the chain: fusing would make the op depend "
                                "on its own output")
-        outputs = [y, *region.exits]
+        outputs = [y, *region.copies, *region.exits]
         nodes = _without_shared([*region.core_nodes(), *region.nodes], outputs)
         leaked = users_outside(nodes, outputs)
         if leaked is not None:
@@ -625,7 +643,7 @@ class SoftmaxGradFusion(FusionPass):
             if val(y).is_contiguous() and not same_significant_strides(val(out), val(y)):
                 # y is a fresh tensor and the region ends in a view (a slice of the row): lay it out as y
                 out = b.call(aten.clone.default, out, memory_format=torch.contiguous_format)
-            replaced = {y: out}
+            replaced = {y: out, **{copy: out for copy in region.copies}}
             for node in region.exits:
                 replaced[node] = b.call(aten.mul.Tensor, env[node], factor)
             return replaced
@@ -634,7 +652,7 @@ class SoftmaxGradFusion(FusionPass):
         detail = f"{' + '.join(c.form for c in cores.values())}, scale moved in front of {', '.join(ops)}"
         if region.exits:
             detail += f"; {', '.join(e.name for e in region.exits)} given back unscaled (x 1/scale)"
-        return Rewrite(y, [*nodes], self.op, build, detail=detail)
+        return Rewrite(y, [*nodes, *region.copies], self.op, build, detail=detail)
 
     @staticmethod
     def _check_rounding(region: Region, outputs: list) -> None:
@@ -842,20 +860,24 @@ class _RegionWalk:
             result = True
         else:
             spec = linear_operands(node)
-            result = spec is not None and all(self.linear(op) if role == "linear" else self._free(op)
-                                              for op, role in spec)
+            result = spec is not None and all(self._operand(op, role) for op, role in spec)
         self.known[node] = result
         return result
 
-    def _free(self, node: Node) -> bool:
-        self.free.append(node)
-        return True
+    def _operand(self, node: Node, role: str) -> bool:
+        if role == "free":
+            self.free.append(node)
+            return True
+        if role == "layout" and is_call(node, *FRESH_BUFFERS):
+            self.known[node] = True
+            return True
+        return self.linear(node)
 
     def members(self) -> list:
-        """The region's ops: linear nodes that are no core, and zero fills that read region values."""
+        """The region's ops: linear nodes that are no core, and fills that read region values."""
         linear = {n for n, ok in self.known.items() if ok and n not in self.cores}
-        return [n for n in linear if not is_zero_fill(n) or any(i in linear or i in self.cores
-                                                                for i in n.all_input_nodes)]
+        return [n for n in linear if not is_fill(n, "layout") or any(i in linear or i in self.cores
+                                                                     for i in n.all_input_nodes)]
 
 
 def _sbd_chain(sbd: Node, x2, inverted: bool = False) -> SoftmaxBackward:
@@ -928,8 +950,9 @@ def _unscaled_reason(ctx: PassContext, core: Node) -> str:
                 parts.append(f"{describe(user)} multiplies it, but through ops the scale cannot move across")
         elif linear_operands(user) is not None and is_call(user, aten.add.Tensor, aten.sub.Tensor):
             other = _other(user.args[:2], node)
-            parts.append(f"{describe(user)} adds {other.name if isinstance(other, Node) else other!r}, which "
-                         "is not computed from the softmax backward (a scale after it would scale that too)")
+            term = other.name if isinstance(other, Node) else repr(other)
+            parts.append(f"{describe(user)} adds {term}, which is not computed from the softmax backward (a "
+                         "scale after it would scale that too)")
         else:
             parts.append(f"{describe(user)} reads it")
     return (f"{what}: {'; '.join(parts)} (softmax_grad_ext replaces a softmax backward times its scale; "
