@@ -278,11 +278,18 @@ def _float_cast(node: Node) -> bool:
     return source.is_floating_point() and result.is_floating_point() and source.device == result.device
 
 
+LINEAR_TARGETS = frozenset((*UNARY_LINEAR, *DTYPE_CASTS, aten.add.Tensor, aten.sub.Tensor, aten.scatter.src,
+                            aten.scatter_add.default, aten.slice_scatter.default, aten.cat.default,
+                            aten.copy.default))
+CORE_TARGETS = frozenset((aten._softmax_backward_data.default, FMA, aten.sub.Tensor, aten.mul.Tensor))
+
+
 def linear_operands(node) -> Optional[list]:
     """[(operand, role)] when node is linear in its "linear" operands (each a linear value or zeros)
     and computed with "free" ones that must not depend on them ("layout": only the layout is read,
     a linear value or a fill); None for any other op."""
-    if not isinstance(node, Node) or node.op != "call_function" or not isinstance(val(node), torch.Tensor):
+    if not isinstance(node, Node) or node.op != "call_function" or node.target not in LINEAR_TARGETS \
+            or not isinstance(val(node), torch.Tensor):
         return None
     args = node.args
     if is_call(node, *UNARY_LINEAR) and isinstance(args[0], Node):
@@ -369,6 +376,13 @@ class SoftmaxGradFusion(FusionPass):
             return self._check_and_rewrite(ctx, anchor, chain)
         region = self._match_region(ctx, anchor)
         return self._check_and_rewrite_region(ctx, anchor, region) if region is not None else None
+
+    def _walk(self, ctx: PassContext) -> "_RegionWalk":
+        """The linear-region walk of this pass over ctx's graph (its answers shared by every anchor)."""
+        walk = getattr(self, "_region_walk", None)
+        if walk is None or walk[0] is not ctx:
+            walk = self._region_walk = (ctx, _RegionWalk(self))
+        return walk[1]
 
     def _cover(self, ctx: PassContext, nodes) -> None:
         covered = getattr(self, "_covered", None)
@@ -520,15 +534,19 @@ class SoftmaxGradFusion(FusionPass):
                 break
             if linear_operands(operand) is None:
                 continue
-            walk = _RegionWalk(self)
+            walk = self._walk(ctx)
+            walk.budget = REGION_LIMIT
             try:
                 found = walk.linear(operand)
             except _TooLarge:
                 continue
-            if not found or not walk.cores:
+            if not found:
                 continue
-            region = Region(walk.cores, walk.members(), operand)
-            if self._free_operands_depend_on(ctx, walk.free, region):
+            cores, members, free = walk.region(operand)
+            if not cores:
+                continue
+            region = Region(cores, members, operand)
+            if self._free_operands_depend_on(ctx, free, region):
                 continue
             return self._extended(ctx, region, y, y.args[1 - i], inverted)
         return None
@@ -835,16 +853,17 @@ class _TooLarge(Exception):
 
 
 class _RegionWalk:
-    """Which values between y's operand and the softmax backwards are linear in them."""
+    """Which values are linear in softmax backwards (``f(s * v) = s * f(v)``), remembered for one
+    pass over one graph: every scale anchor asks, each node is looked at once."""
 
-    def __init__(self, fusion: SoftmaxGradFusion):
+    def __init__(self, fusion: "SoftmaxGradFusion"):
         self.fusion = fusion
-        self.cores: dict = {}
-        self.known: dict = {}  # node -> linear?
-        self.free: list = []
+        self.known: dict = {}  # node -> linear in softmax backwards (or zeros)?
+        self.cores: dict = {}  # node -> its SoftmaxBackward, for the softmax backwards met
         self.budget = REGION_LIMIT
 
     def linear(self, node) -> bool:
+        """Raises _TooLarge past REGION_LIMIT new nodes for one question (reset ``budget`` to ask again)."""
         if not isinstance(node, Node):
             return False
         if node in self.known:
@@ -852,7 +871,7 @@ class _RegionWalk:
         self.budget -= 1
         if self.budget < 0:
             raise _TooLarge
-        core = self.fusion._unscaled_core(node)
+        core = self.fusion._unscaled_core(node) if node.target in CORE_TARGETS else None
         if core is not None:
             self.cores[node] = core
             result = True
@@ -866,18 +885,31 @@ class _RegionWalk:
 
     def _operand(self, node: Node, role: str) -> bool:
         if role == "free":
-            self.free.append(node)
             return True
         if role == "layout" and is_call(node, *FRESH_BUFFERS):
-            self.known[node] = True
             return True
         return self.linear(node)
 
-    def members(self) -> list:
-        """The region's ops: linear nodes that are no core, and fills that read region values."""
-        linear = {n for n, ok in self.known.items() if ok and n not in self.cores}
-        return [n for n in linear if not is_fill(n, "layout") or any(i in linear or i in self.cores
-                                                                     for i in n.all_input_nodes)]
+    def region(self, operand: Node) -> tuple:
+        """(cores, members, free operands) of the linear value operand."""
+        cores, members, free, fills = {}, [], [], []
+        stack, seen = [operand], set()
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if node in self.cores:
+                cores[node] = self.cores[node]
+            elif is_fill(node, "layout"):
+                fills.append(node)
+            else:
+                members.append(node)
+                for op, role in linear_operands(node):
+                    (free if role == "free" else stack).append(op)
+        inside = {*members, *cores}
+        members += [f for f in fills if any(i in inside for i in f.all_input_nodes)]
+        return cores, members, free
 
 
 def _sbd_chain(sbd: Node, x2, inverted: bool = False) -> SoftmaxBackward:
