@@ -957,7 +957,7 @@ def _unscaled_reason(ctx: PassContext, core: Node) -> str:
     while frontier and len(seen) < REGION_LIMIT:
         node = frontier.pop()
         for user in node.users:
-            if user in seen:
+            if user in seen or is_fill(user, "layout"):  # reads only its dtype and device
                 continue
             spec = linear_operands(user)
             if spec is not None and all(op in seen or is_zero_fill(op) for op, role in spec if role == "linear"):
