@@ -83,7 +83,12 @@ class FusionError(RuntimeError):
 
 class NotFused(Exception):
     """Raised by :meth:`FusionPass.match`: the candidate looks like the pattern but breaks
-    the rule named in the message, so it is not fused (a near-miss)."""
+    the rule named in the message, so it is not fused (a near-miss). ``near``: nodes that say
+    where it is in the user's code when the anchor carries no trace (a node a compiler made)."""
+
+    def __init__(self, reason: str, near: Iterable[Node] = ()):
+        super().__init__(reason)
+        self.near = tuple(near)
 
 
 class ArgumentsRefused(Exception):
@@ -476,7 +481,7 @@ class PassManager:
                 try:
                     rewrite = fusion.match(ctx, anchor)
                 except NotFused as miss:
-                    near_misses.append(self._near_miss(fusion, anchor, str(miss)))
+                    near_misses.append(self._near_miss(fusion, anchor, str(miss), miss.near))
                     continue
                 if rewrite is not None:
                     found.append(rewrite)
@@ -542,8 +547,8 @@ class PassManager:
         return None
 
     @staticmethod
-    def _near_miss(fusion: FusionPass, anchor: Node, reason: str) -> NearMiss:
-        return NearMiss(fusion.name, anchor.name, reason, **where([anchor]), nodes=involved(anchor))
+    def _near_miss(fusion: FusionPass, anchor: Node, reason: str, near: tuple = ()) -> NearMiss:
+        return NearMiss(fusion.name, anchor.name, reason, **where([anchor, *near]), nodes=involved(anchor))
 
     def _fail(self, what: str, exc: Exception, report: GraphReport) -> None:
         message = f"{what} failed and left the graph unfused: {exc!r}"

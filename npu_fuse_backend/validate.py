@@ -180,7 +180,7 @@ class _Validation:
                   if n not in replacement and n not in original]
         reads += [new for new in outputs.values() if new not in replacement]
         self.reads = list(dict.fromkeys(reads))
-        self.bridge, self.leaves = _plan_inputs(self.reads)
+        self.bridge, self.leaves = _plan_inputs(self.reads, replacement)
         self.index_uses = self._index_uses()
 
     # -- the plan ------------------------------------------------------------------------
@@ -345,9 +345,11 @@ class _Validation:
 
 
 # -- inputs -------------------------------------------------------------------------------------
-def _plan_inputs(reads: list) -> tuple:
+def _plan_inputs(reads: list, replacement: frozenset = frozenset()) -> tuple:
     """(bridge, leaves): the nodes to compute before the two sides (in order), and the values
-    to draw. A read computed from another read or from constants is computed, not drawn."""
+    to draw. A read computed from another read or from constants is computed, not drawn; so is a
+    node of the replacement, however far from the reads (a subgraph output that reads another one,
+    ``copy(view, y)``, reads y's replacement once the rewrite is applied)."""
     reads_set = set(reads)
     kinds: dict = {}
 
@@ -356,7 +358,7 @@ def _plan_inputs(reads: list) -> tuple:
             return kinds[node]
         if node.op == "get_attr":
             result = "const"
-        elif node.op != "call_function" or _is_random(node) or depth > BRIDGE_HOPS:
+        elif node.op != "call_function" or _is_random(node) or (depth > BRIDGE_HOPS and node not in replacement):
             result = "free"
         else:
             inputs = node.all_input_nodes

@@ -205,8 +205,9 @@ def test_llama_layer_training_step_through_inductor():
     torch.testing.assert_close(got_grad, x.grad, atol=1e-4, rtol=1e-4)
     reports = nf.get_reports()
     assert {r.lowering for r in reports} == {"inductor"}
+    # the norms: forward; the layer's `scores / sqrt(d)` softmax backward: a division by a number (issue 15)
     assert sorted(fused_ops(reports)) == ["add_rms_norm", "add_rms_norm", "rms_norm", "rotary_mul", "rotary_mul",
-                                          "rotary_mul_backward", "rotary_mul_backward"]  # the norms: forward
+                                          "rotary_mul_backward", "rotary_mul_backward", "softmax_grad_ext"]
 
 
 # -- dynamic shapes --------------------------------------------------------------------
