@@ -14,9 +14,6 @@ from .backend import get_npu_backend, npu_fuse_backend, run_fusion_passes
 from .fusion import FusionPass, Rewrite, register_fusion
 from .report import GraphReport, Match, NearMiss, clear_reports, get_reports
 
-# torch.compiler.reset() calls the reset() of each backend compiled with since the last reset
-npu_fuse_backend.reset = clear_reports
-
 __all__ = [
     "__version__", "FusionPass", "GraphReport", "Match", "NearMiss", "Rewrite", "clear_reports", "config",
     "get_npu_backend", "get_reports", "npu_fuse_backend", "register_fusion", "run_fusion_passes",

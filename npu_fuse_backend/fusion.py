@@ -379,10 +379,11 @@ class PassManager:
                                                        "overlaps a subgraph that was already fused"))
                     continue
                 checkpoint = journal.checkpoint()
+                notes: list = []  # why a rewrite is kept unvalidated (config.keep_unvalidated_rewrites)
                 try:
                     inserted = journal.apply(rewrite, ctx.fake_mode)
                     refusal = self._refusal(ctx, inserted) or \
-                        self._differs(subgraph, journal.outputs_since(checkpoint), inserted)
+                        self._differs(subgraph, journal.outputs_since(checkpoint), inserted, notes)
                 except ArgumentsRefused as refused:
                     refusal = str(refused)
                 if refusal:
@@ -392,7 +393,8 @@ class PassManager:
                 claimed.update(inside - views)
                 shared.update(views)
                 matches.append(Match(fusion.family, rewrite.op, rewrite.anchor.name,
-                                     tuple(n.name for n in subgraph), rewrite.detail, **where(subgraph)))
+                                     tuple(n.name for n in subgraph), rewrite.detail, **where(subgraph),
+                                     unvalidated="; ".join(notes)))
             _erase_dead(ctx.graph, claimed | shared)
         except Exception as exc:  # a pass must never break the user's compile
             journal.rollback()
@@ -416,7 +418,7 @@ class PassManager:
         return None
 
     @staticmethod
-    def _differs(subgraph: list[Node], outputs: dict, inserted: list[Node]) -> Optional[str]:
+    def _differs(subgraph: list[Node], outputs: dict, inserted: list[Node], notes: list) -> Optional[str]:
         """Why the replacement does not stand in for the subgraph: a layout a later view relies on,
         or (translation validation) different values on random inputs."""
         for old, new in outputs.items():
@@ -428,7 +430,7 @@ class PassManager:
                     return (f"the replacement of {old.name} has strides {list(after.stride())}, not "
                             f"{list(before.stride())}, and {viewer.name} views it")
         if config.translation_validation:
-            return check_rewrite(subgraph, outputs, inserted)
+            return check_rewrite(subgraph, outputs, inserted, notes=notes)
         return None
 
     @staticmethod

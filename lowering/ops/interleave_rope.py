@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..registry import decomposition, npu_kernel, soc_limits
-from ..rope_math import compute_dtype, rotate
+from ..rope_math import check_one_device, compute_dtype, rotate
 from ...soc import A2_A3, ASCEND950, GENERIC, resolve_soc
 
 __all__ = ["interleave_rope", "interleave_rope_backward"]  # public entry points (npu_fuse.ops)
@@ -39,6 +39,7 @@ def interleave(x: Tensor) -> Tensor:
 
 def check_interleave_rope_args(x: Tensor, cos: Tensor, sin: Tensor, name: str = "npu_fuse.interleave_rope") -> None:
     """Raise ValueError naming the first rule of the contract the arguments break."""
+    check_one_device(name, {"x": x, "cos": cos, "sin": sin})
     if x.dim() != 4:
         raise ValueError(f"{name}: x must be 4-D (B, N, S, D), got {x.dim()}-D shape {tuple(x.shape)}")
     if x.dtype not in FLOAT_DTYPES:
