@@ -21,15 +21,20 @@ recomputation of checkpointed code does) is a recorded generator state, never ra
 **Probes** (every float input of each probe, tables and scales included):
 
 - ``uniform``: uniform in [-1, 1);
-- ``magnitudes``: uniform times a power of two that changes from row to row (last-dim rows),
-  from 2^-10 up to 2^27 (float16: 2^-6 .. 2^12); a one-element input (a scale) is (1 + |u|) 2^7
-  (float16: 2^4):
+- ``magnitudes``: uniform times a power of two that changes from block to block (slices along
+  the outermost dims: rows an op reduces or contracts over keep one magnitude), from 2^-10 up to
+  2^27 (float16: 2^-6 .. 2^12); a one-element input (a scale) is (1 + |u|) 2^7
+  (float16: 2^4); an input of more than 2^20 elements (a weight: the op fixes its sizes, so it
+  never shrinks) stays uniform, as scaling a weight's output features apart would make the next
+  contraction ill-conditioned rather than test large values:
   values far outside [-1, 1], large values, tables and scales with |value| > 1. An element
   that eager itself overflows on (non-finite where every input is finite) is not compared; an
   element eager computes finite must be finite and within tolerance in the replacement. Large
   values make some subgraphs ill-conditioned (``p * (g - sum(g * p))`` with |p| > 1 loses digits
-  to cancellation, in eager as in any kernel), so here the tolerance also allows twice eager's own
-  error, measured against the subgraph run in float64 (float32 for a subgraph of 16-bit floats);
+  to cancellation, in eager as in any kernel), so here the tolerance also allows 2^-12 of the
+  row's rms (a faulty kernel is off by far more) and four times eager's own error (the largest in
+  the element's last-dim row), measured against the subgraph run in float64 (float32 for a
+  subgraph of 16-bit floats), where that run fits the budget;
 - ``NaN``: uniform with NaN and -0.0 planted in every float input: an output element is NaN in
   the replacement exactly where it is NaN in eager (the sign of a zero is not compared);
 - ``infinities``: uniform with +inf and -inf planted: where eager is finite the replacement is
@@ -110,16 +115,21 @@ MEMORY_BUDGET = 64 << 20  # bytes one evaluation may hold at once
 SHRINK_FROM = 16  # only sizes at least this large are shrunk
 SAMPLE_ROWS = 19  # rows of a size confirmed by sampling (a prime, past the shrunk sizes)
 BRIDGE_HOPS = 6  # how far back a shared input is traced to the values it is computed from
+PERIODIC_FROM = 1 << 20  # inputs with more elements are drawn periodically (see _uniform)
+PERIOD = 65521  # the largest prime below 2^16
+GREEDY_TRIES = 6  # sizes tried one at a time (the largest savings) when shrinking all of them at once fails
 
 # Tolerance per output element, in units of the output dtype's eps: |a - b| <= rtol*|b| + atol*scale(b),
-# scale: see _value_scale. A rounding difference (eager rounds each op, a fused kernel once) stays within a
-# few eps of the values an element is computed with; a miscompile (a wrong element, sign, slice, broadcast
-# or write) is off by the values themselves.
+# scale: the rms of the element's last-dim row (see _beyond_tolerance). A rounding difference (eager
+# rounds each op, a fused kernel once) stays within a few eps of the values an element is computed
+# with; a miscompile (a wrong element, sign, slice, broadcast or write) is off by the values themselves.
 TOLERANCE_EPS = {torch.float16: (4, 8), torch.bfloat16: (4, 8), torch.float32: (16, 16), torch.float64: (16, 16)}
 
 # Powers of two by which the magnitudes probe scales rows (exact scalings, no rounding), per dtype.
 MAGNITUDES = {torch.float16: (2.0 ** -6, 1.0, 2.0 ** 4, 2.0 ** 8, 2.0 ** 12)}
 MAGNITUDES_DEFAULT = (2.0 ** -10, 1.0, 2.0 ** 7, 2.0 ** 14, 2.0 ** 27)
+MAGNITUDES_RTOL = 2.0 ** -12  # of the row's rms: what the magnitudes probe allows on top of rounding
+COMPARE_ELEMENTS = 1 << 18  # outputs are compared in blocks of rows of about this many elements
 PLANTED = {"NaN": (float("nan"), -0.0), "infinities": (float("inf"), float("-inf"))}
 
 # views through which an integer input keeps being "the same indices", or a write reaches its base
@@ -375,6 +385,9 @@ class _Validation:
         return None
 
     def _compare(self, problem: "_Problem") -> Optional[str]:
+        # uniform draws of inputs whose shape the previous problem had too (weights an op fixes) are reused
+        self.bases = {leaf: (shape, t) for leaf, (shape, t) in getattr(self, "bases", {}).items()
+                      if tuple(problem.shapes.get(leaf, ())) == shape}
         for probe, values in _Draws(self, problem).samples():
             self.evaluations += 1
             original = self._side(self.original, values, problem)
@@ -568,6 +581,7 @@ class _Problem:
     dims: dict = dataclasses.field(default_factory=dict)  # (leaf, dim) -> _Size
     precise: bool = True  # the magnitudes probe's float64 reference fits the budget
     repairs: dict = dataclasses.field(default_factory=dict)
+    plain: set = dataclasses.field(default_factory=set)  # nodes without an integer argument to remap
 
     @property
     def where(self) -> str:
@@ -598,6 +612,12 @@ class _Plan:
             yield real
             return
         sizes = self._candidates()
+        total = _elements(real, v.leaves)
+        if not self.symbols and sum(self._saving(s, real) for s in sizes) < total // 2 \
+                and self._bytes(real) <= MEMORY_BUDGET:
+            self._fits(real)  # shrinking saves little (weights of sizes an op fixes): the real shapes
+            yield real
+            return
         primes = _primes(self.taken)
         shrunk = self._shrink(sizes, primes, probes)
         if shrunk is None:
@@ -664,9 +684,13 @@ class _Plan:
         failed = set()  # values a per-dim size of which did not shrink: tried per value afterwards
         fine = sorted(((s, self._saving(s, real)) for s in sizes), key=lambda item: -item[1])
         coarse = [(s, self._saving(s, real)) for s in merged if len(s.dims) > 1 and s not in sizes]
+        tries = 0
         for size, saving in fine + coarse:
             if saving < total // 100 or (size in merged and size not in sizes and size.real not in failed):
                 continue
+            tries += 1
+            if tries > GREEDY_TRIES:
+                break
             if problem is not None and _elements(problem, self.v.leaves) <= FULL_ELEMENTS:
                 break
             trial = self._try_shrink(chosen + [size], primes, probes)
@@ -830,8 +854,8 @@ class _Plan:
         def size(node, as_float64=False):
             value = node.meta.get("val")
             shape = problem.shapes.get(node)
-            if not isinstance(value, torch.Tensor) or shape is None or node.target in _VIEWS:
-                return 0
+            if not isinstance(value, torch.Tensor) or shape is None or (node.target in _VIEWS and not as_float64):
+                return 0  # (a view holds nothing, but in the reference dtype it reads a converted copy)
             itemsize = value.element_size()
             if as_float64 and (value.is_floating_point() or value.is_complex()):
                 itemsize = 16 if value.is_complex() else 8
@@ -960,9 +984,9 @@ def _value_map(nodes: list, leaves: list, lengths: dict, node_values: dict) -> t
     return values, derived
 
 
-def _ints_of(node: Node) -> set:
+def _ints_of(node: Node) -> frozenset:
     """The integers in a node's arguments."""
-    return {x for x in torch.utils._pytree.tree_leaves((node.args, node.kwargs)) if type(x) is int}
+    return frozenset(x for x in torch.utils._pytree.tree_leaves((node.args, node.kwargs)) if type(x) is int)
 
 
 def _taken_numbers(nodes: list) -> dict:
@@ -1108,7 +1132,7 @@ class _Draws:
         return self.problem.shapes[use.indexed][use.dim]
 
     def samples(self):
-        self._base: dict = {}  # the problem's uniform float values, which the other probes derive from
+        self._base: dict = self.v.bases  # the problem's uniform float values, which the other probes derive from
         self._undo: list = []  # how to turn them back into the uniform draw after a probe
         for probe in self.problem.probes:
             for undo in reversed(self._undo):
@@ -1154,19 +1178,18 @@ class _Draws:
         strides = [_hint(s) for s in value.stride()]
         dense = [1 if st == 0 else sz for sz, st in zip(shape, strides)]  # expanded dims are drawn once
         order = _stride_order(value)
-        drawn = self._values([dense[d] for d in order], value.dtype, value.device, g, leaf, position, probe)
+        drawn = self._values([dense[d] for d in order], value.dtype, value.device, g, leaf, position, probe,
+                             tuple(shape))
         inverse = [order.index(d) for d in range(len(shape))]
         return drawn.permute(inverse).expand(shape) if shape else drawn
 
-    def _values(self, shape, dtype, device, g, leaf: Node, position: int, probe: str) -> torch.Tensor:
+    def _values(self, shape, dtype, device, g, leaf: Node, position: int, probe: str, logical=()) -> torch.Tensor:
         if dtype.is_floating_point or dtype.is_complex:
             if leaf not in self._base:
-                drawn = torch.empty(shape, dtype=dtype, device=device)
-                (torch.view_as_real(drawn) if dtype.is_complex else drawn).uniform_(-1, 1, generator=g)
-                self._base[leaf] = drawn
-            drawn = self._base[leaf]
+                self._base[leaf] = (logical, _uniform(shape, dtype, device, g))
+            drawn = self._base[leaf][1]
             real = torch.view_as_real(drawn) if dtype.is_complex else drawn
-            if probe == "magnitudes":  # in place, by powers of two: undone exactly
+            if probe == "magnitudes" and real.numel() <= PERIODIC_FROM:  # in place, by powers of two: undone exactly
                 self._undo.append(_scale_rows(real, dtype, position))
             elif probe in PLANTED:
                 self._undo.append(_plant(real, PLANTED[probe], g))
@@ -1197,18 +1220,41 @@ class _Draws:
         return torch.randint(low, high, shape, generator=g, device=device, dtype=dtype)
 
 
+def _uniform(shape: list, dtype: torch.dtype, device, g: torch.Generator) -> torch.Tensor:
+    """Uniform in [-1, 1). A large input (a weight) repeats a random block of a prime length along
+    its memory: no two of its rows, nor two elements of a row, coincide for rows shorter than the
+    period, and drawing it costs a copy rather than a random number per element."""
+    numel = math.prod(shape)
+    real_dtype = {torch.complex64: torch.float32, torch.complex128: torch.float64}.get(dtype, dtype)
+    width = 2 if dtype.is_complex else 1
+    if numel * width <= PERIODIC_FROM:
+        drawn = torch.empty(shape, dtype=dtype, device=device)
+        (torch.view_as_real(drawn) if dtype.is_complex else drawn).uniform_(-1, 1, generator=g)
+        return drawn
+    block = torch.empty(PERIOD, dtype=real_dtype, device=device).uniform_(-1, 1, generator=g)
+    flat = block.repeat(-(-numel * width // PERIOD))[:numel * width]
+    drawn = flat.view(*shape, 2) if dtype.is_complex else flat.view(shape)
+    return torch.view_as_complex(drawn) if dtype.is_complex else drawn
+
+
 def _scale_rows(values: torch.Tensor, dtype: torch.dtype, position: int):
-    """Each last-dim row times a power of two that changes from row to row (in place); returns
-    how to undo it."""
+    """Blocks of the input times powers of two that change from block to block (in place); returns
+    how to undo it. A block is a slice along the outermost dims (enough of them for every level to
+    appear), so the rows an op reduces or contracts over (a last-dim row, a weight's rows for one
+    output feature or one head) keep one magnitude: mixing magnitudes inside a reduction would make
+    the problem ill-conditioned rather than test large values. A 1-D input scales element by element."""
     levels = torch.tensor(MAGNITUDES.get(dtype, MAGNITUDES_DEFAULT), dtype=torch.float64)
     if values.numel() <= 1:  # a scale, a temperature: positive and well above 1
         saved = values.clone()
         values.abs_().add_(1).mul_(float(levels[2]))
         return lambda: values.copy_(saved)
-    rows = values.view(-1, values.shape[-1])
-    pattern = levels[(torch.arange(rows.shape[0]) + position) % len(levels)].to(values.dtype)[:, None]
-    rows.mul_(pattern)
-    return lambda: rows.div_(pattern)
+    lead = 1
+    while lead < values.dim() - 1 and math.prod(values.shape[:lead]) < len(levels):
+        lead += 1
+    blocks = values.view(-1, 1) if values.dim() == 1 else values.view(math.prod(values.shape[:lead]), -1)
+    pattern = levels[(torch.arange(blocks.shape[0]) + position) % len(levels)].to(values.dtype)[:, None]
+    blocks.mul_(pattern)
+    return lambda: blocks.div_(pattern)
 
 
 def _plant(values: torch.Tensor, specials: tuple, g: torch.Generator):
@@ -1242,8 +1288,11 @@ def _evaluate(nodes: list, env: dict, problem: _Problem, fallback=None, keep: Op
             env[n] = fallback[n]
         args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda n: env[n])
         values = {**problem.values, **problem.node_values[node]} if node in problem.node_values else problem.values
-        if values:
-            args, kwargs = _remapped((args, kwargs), values)
+        if values and node not in problem.plain:
+            if values.keys().isdisjoint(_ints_of(node)):
+                problem.plain.add(node)  # no integer argument of it changes: none to remap
+            else:
+                args, kwargs = _remapped((args, kwargs), values)
         if precise:
             args, kwargs = _widened((args, kwargs), precise)
         try:
@@ -1350,54 +1399,67 @@ def _difference(expected: Any, got: Any, probe: str = "uniform", exact: Any = No
         return f"has {wrong} of {expected.numel()} integer values different"
     if torch.equal(expected, got):
         return None
-    precise = torch.float64 if expected.dtype == torch.float64 else torch.float32
-    e, g = expected.to(precise), got.to(precise)
-    e_finite, g_finite = torch.isfinite(e), torch.isfinite(g)
-    compared = e_finite
+    e_finite, g_finite = torch.isfinite(expected), torch.isfinite(got)
     if bool((e_finite & ~g_finite).any()):
         count = int((e_finite & ~g_finite).sum())
-        return f"is finite at {count} of {e.numel()} elements where the replacement is not"
+        return f"is finite at {count} of {expected.numel()} elements where the replacement is not"
     if probe == "magnitudes":
         pass  # where eager itself overflowed, the replacement may be more precise
     elif probe == "infinities":
         if bool((~e_finite & g_finite).any()):
             count = int((~e_finite & g_finite).sum())
-            return f"is infinite or NaN at {count} of {e.numel()} elements where the replacement is finite"
-    elif not (torch.equal(e_finite, g_finite) and torch.equal(e[~e_finite].nan_to_num(), g[~e_finite].nan_to_num())):
-        count = int((e_finite != g_finite).sum()) or int((e[~e_finite].nan_to_num() != g[~e_finite].nan_to_num()).sum())
+            return f"is infinite or NaN at {count} of {expected.numel()} elements where the replacement is finite"
+    elif not (torch.equal(e_finite, g_finite) and torch.equal(expected[~e_finite].float().nan_to_num(),
+                                                              got[~e_finite].float().nan_to_num())):
+        count = int((e_finite != g_finite).sum()) or int(
+            (expected[~e_finite].float().nan_to_num() != got[~e_finite].float().nan_to_num()).sum())
         return (f"is NaN or infinite where the replacement is not, or another infinity, at {count} of "
-                f"{e.numel()} elements")
-    if not bool(compared.all()):
-        e, g = torch.where(compared, e, 0), torch.where(compared, g, 0)
+                f"{expected.numel()} elements")
+    del e_finite, g_finite
+    return _beyond_tolerance(expected, got, probe, exact)
+
+
+def _beyond_tolerance(expected: torch.Tensor, got: torch.Tensor, probe: str, exact: Any) -> Optional[str]:
+    """The finite elements' comparison, row block by row block (a few MB of temporaries at most)."""
+    precise = torch.float64 if expected.dtype == torch.float64 else torch.float32
+    width = expected.shape[-1] if expected.dim() else 1
+    e_rows, g_rows = expected.reshape(-1, width), got.reshape(-1, width)
+    x_rows = exact.reshape(-1, width) if isinstance(exact, torch.Tensor) and exact.shape == expected.shape \
+        and exact.is_floating_point() else None
     eps = torch.finfo(expected.dtype).eps
     rel, absolute = TOLERANCE_EPS.get(expected.dtype, (16, 16))
-    scale = _value_scale(e, whole=probe != "magnitudes")
-    err = (e - g).abs_()
-    slack = err - e.abs().mul_(rel * eps) - scale.mul_(absolute * eps)
-    if isinstance(exact, torch.Tensor) and exact.shape == expected.shape and exact.is_floating_point():
-        own = (e.double() - torch.where(compared, exact.double(), 0)).abs_().nan_to_num_(0)
-        slack -= own.mul_(2).to(slack.dtype)
-    if slack.max().item() > 0:
-        bad = int((slack > 0).sum())
-        worst = int(slack.argmax())
-        return (f"differs at {bad} of {expected.numel()} elements (by up to {err.max().item():.3g}; "
-                f"e.g. {e.reshape(-1)[worst].item():.4g} vs {g.reshape(-1)[worst].item():.4g}, {expected.dtype})")
+    step = max(1, COMPARE_ELEMENTS // max(width, 1))
+    total = 0.0
+    for start in range(0, e_rows.shape[0], step):  # the whole output's rms (over its finite elements)
+        e = e_rows[start:start + step].to(precise)
+        total += float(torch.where(torch.isfinite(e), e, 0).pow_(2).sum())
+    everything = (total / max(expected.numel(), 1)) ** 0.5
+    bad, worst, worst_at, largest = 0, 0.0, None, 0.0
+    for start in range(0, e_rows.shape[0], step):
+        e, g = e_rows[start:start + step].to(precise), g_rows[start:start + step].to(precise)
+        compared = torch.isfinite(e)
+        e, g = torch.where(compared, e, 0), torch.where(compared, g, 0)
+        scale = e.pow(2).mean(-1, keepdim=True).sqrt_()  # the rms of each element's last-dim row
+        if probe != "magnitudes":  # (the magnitudes probe scales blocks apart: each row is its own scale)
+            scale.clamp_(min=everything)
+        err = (e - g).abs_()
+        slack = err - e.abs().mul_(rel * eps) - scale * (absolute * eps)
+        if probe == "magnitudes":  # large values lose digits to cancellation in any kernel: a relative floor
+            slack -= scale * MAGNITUDES_RTOL
+        if x_rows is not None:  # eager's own error, the largest of the row (it varies element by element)
+            own = (e - torch.where(compared, x_rows[start:start + step].to(precise), 0)).abs_().nan_to_num_(0)
+            slack -= own.amax(-1, keepdim=True).mul_(4)
+        over = slack > 0
+        if bool(over.any()):
+            bad += int(over.sum())
+            value, where = slack.reshape(-1).max(0)
+            if worst_at is None or float(value) > worst:
+                worst, worst_at = float(value), (float(e.reshape(-1)[where]), float(g.reshape(-1)[where]))
+        largest = max(largest, float(err.max())) if err.numel() else largest
+    if bad:
+        return (f"differs at {bad} of {expected.numel()} elements (by up to {largest:.3g}; "
+                f"e.g. {worst_at[0]:.4g} vs {worst_at[1]:.4g}, {expected.dtype})")
     return None
-
-
-def _value_scale(e: torch.Tensor, whole: bool = True) -> torch.Tensor:
-    """Per element, the scale of the values it is computed with: the rms of its last-dim row (a
-    RoPE, softmax or normalized row), or (``whole``) of the whole output where that is larger. A
-    row of large values computed by cancellation (``x1 * cos - x2 * sin``) carries its operands'
-    rounding, which the rms of a mostly small output (an updated cache) would not allow. The
-    magnitudes probe scales rows apart on purpose: there each row is its own scale."""
-    everything = torch.linalg.vector_norm(e) / max(e.numel(), 1) ** 0.5
-    if e.dim() == 0 or e.numel() == 0:
-        return everything.expand(e.shape).clone()
-    rows = e.pow(2).mean(-1, keepdim=True).sqrt_()
-    if whole:
-        rows = rows.clamp_(min=everything.item())
-    return rows.expand(e.shape).clone()
 
 
 # -- helpers -----------------------------------------------------------------------------------

@@ -411,3 +411,97 @@ def test_a_row_of_large_values_carries_their_rounding_but_a_wrong_element_is_fou
     largest = int(cache[7].float().abs().argmax())
     sign[7, largest] = -cache[7, largest]  # a sign error in the large row
     assert "differs at 1 of" in validate._difference(cache, sign)
+
+
+# -- inputs the validator computes, or records ------------------------------------------------------
+def test_an_rng_state_input_is_a_recorded_state_never_random_bytes():
+    """Inductor's recomputation of checkpointed code replays dropout from a saved RNG state: a read
+    computed from that state is computed from a valid generator state (the same on both sides)."""
+    import operator
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    replay = torch.ops.higher_order.run_with_rng_state
+    graph = torch.fx.Graph()
+    state, x = graph.placeholder("rng_state"), graph.placeholder("x")
+
+    def dropped(g):
+        drop = g.call_function(replay, (state, aten.native_dropout.default, x, 0.5, True))
+        return g.call_function(operator.getitem, (drop, 0))
+
+    y = dropped(graph)
+    out = graph.call_function(aten.mul.Tensor, (y, 2.0))
+    graph.output(out)
+    new = graph.call_function(aten.add.Tensor, (dropped(graph), y))  # the replacement recomputes the dropout
+    inserted = [n for n in graph.nodes if n.op == "call_function" and n not in (y, y.args[0], out)]
+    with FakeTensorMode() as mode:
+        state.meta["val"] = mode.from_tensor(torch.get_rng_state())
+        x.meta["val"] = torch.empty(4, 8)
+        for node in graph.nodes:
+            if node.op == "call_function":
+                args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+                node.meta["val"] = node.target(*args, **kwargs)
+    before = torch.get_rng_state()
+    assert validate.check_rewrite([out], {out: new}, inserted) is None
+    assert torch.equal(torch.get_rng_state(), before)  # the user's generator is untouched
+
+
+def dynamic_aten_graph(fn, *args):
+    """The forward aten graph AOTAutograd makes of fn with dynamic shapes."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def capture(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(fn, backend=aot_autograd(fw_compiler=capture), dynamic=True)(*args)
+    return graphs[0]
+
+
+def test_zeros_of_symbolic_sizes_are_computed_not_drawn():
+    """Inductor's backward adds into ``full([s0, ...], 0)`` buffers whose sizes are SymInt inputs;
+    drawing them as data made correct RoPE backward rewrites differ "by up to 1" (issue 15)."""
+    gm = dynamic_aten_graph(lambda x: x + torch.zeros(x.shape[0], x.shape[1]), torch.randn(6, 8))
+    (add,) = [n for n in gm.graph.nodes if n.target == aten.add.Tensor]
+    assert any(isinstance(a, torch.fx.Node) and a.op == "placeholder" for a in add.args[1].args[0])
+
+    class ZeroAdd(fusion.FusionPass):
+        name = family = "zero_add"
+        anchor_targets = (aten.add.Tensor,)
+
+        def match(self, ctx, anchor):
+            return fusion.Rewrite(anchor, [], "clone",  # the zeros stay outside: read, as inductor shares them
+                                  lambda b: b.call(aten.clone.default, anchor.args[0]))
+
+    report = fusion.PassManager([ZeroAdd()])(gm)
+    assert [m.op for m in report.matches] == ["clone"], report.summary()
+
+
+def test_sampled_rows_keep_their_real_positions():
+    """Positions made by an ``arange`` in the graph: a replacement computing them in bfloat16 is
+    exact for the shrunk positions 0..4 and wrong past 256; the confirmation (on sampled rows, the
+    last one included, where the real length is over the budget) sees the real positions."""
+    rows = 32768
+
+    def positions(x):
+        return x * torch.arange(rows, dtype=torch.float32)[:, None]
+
+    def bf16_positions(b, x, *_):
+        pos = b.call(aten.arange.default, rows, dtype=torch.float32, device=torch.device("cpu"), pin_memory=False)
+        pos = b.call(aten._to_copy.default, b.call(aten._to_copy.default, pos, dtype=torch.bfloat16),
+                     dtype=torch.float32)
+        return b.call(aten.mul.Tensor, x, b.call(aten.unsqueeze.default, pos, 1))
+
+    args = (torch.randn(rows, 16),)  # over FULL_ELEMENTS: shrunk first
+    report, _ = run_pass(positions, args, bf16_positions, aten.mul.Tensor)
+    assert report.matches == [] and "at its real length" in report.near_misses[0].reason
+    validate.forget_shown_equal()
+    old_budget = validate.MEMORY_BUDGET
+    validate.MEMORY_BUDGET = 1 << 20
+    try:
+        report, _ = run_pass(positions, args, bf16_positions, aten.mul.Tensor)
+    finally:
+        validate.MEMORY_BUDGET = old_budget
+    assert report.matches == [] and "sampled rows" in report.near_misses[0].reason
