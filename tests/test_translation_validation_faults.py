@@ -171,7 +171,7 @@ def mla_step(cfg: MLAConfig, tokens: int = 4, compile_=False, **patches):
     nf.clear_reports()
     torch._dynamo.reset()
     fn = torch.compile(model, backend="npu_fuse") if compile_ else model
-    with nf.config.patch(fallback="aot_eager", **patches), torch.no_grad():
+    with nf.config.patch(**{"fallback": "aot_eager", **patches}), torch.no_grad():
         out = fn(x, cos, sin, slots, cache, ctx)
     return out, cache, nf.get_reports() if compile_ else []
 
