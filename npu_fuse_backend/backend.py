@@ -36,12 +36,18 @@ _frame_configs: dict = {}
 
 
 def captured_config() -> dict:
-    """The config this compile runs with: the one of the frame's first compile, else the current one."""
+    """The config this compile runs with: the one the frame's first compile ran with, else the
+    current one, checked (a bad value is an error now, and never captured)."""
     compile_id = torch._guards.CompileContext.current_compile_id()
     frame = getattr(compile_id, "frame_id", None)
-    if frame is None:
-        return config.get_config_copy()
-    return _frame_configs.setdefault(frame, config.get_config_copy())
+    if frame in _frame_configs:
+        return _frame_configs[frame]
+    snapshot = config.get_config_copy()
+    with config.patch(snapshot):
+        config.validate()
+    if frame is not None:
+        _frame_configs[frame] = snapshot
+    return snapshot
 
 
 def reset() -> None:
@@ -73,10 +79,8 @@ def npu_fuse_backend(gm: GraphModule, example_inputs, *, mode: Optional[str] = N
     ``config.fallback``: inductor (``mode``/``options`` as for ``backend="inductor"``)
     or aot_eager (neither).
     """
-    config.validate()
     snapshot = captured_config()
     with config.patch(snapshot):
-        config.validate()
         graph_pass = under_config(snapshot, run_fusion_passes)
         use_npu = config.lowering == "npu" or (config.lowering == "auto" and npu.npu_usable(example_inputs))
         if use_npu:
@@ -108,7 +112,6 @@ def get_npu_backend(*, compiler_config=None, custom_decompositions: Optional[dic
 
     def npu_fuse_torchair(gm: GraphModule, example_inputs, *, mode: Optional[str] = None,
                           options: Optional[dict] = None):
-        config.validate()
         snapshot = captured_config()
         with config.patch(snapshot):
             return npu.compile_with_torchair(gm, example_inputs, under_config(snapshot, run_fusion_passes),

@@ -21,20 +21,19 @@ recomputation of checkpointed code does) is a recorded generator state, never ra
 **Probes** (every float input of each probe, tables and scales included):
 
 - ``uniform``: uniform in [-1, 1);
-- ``magnitudes``: uniform times a power of two that changes from block to block (slices along
-  the outermost dims: rows an op reduces or contracts over keep one magnitude), from 2^-10 up to
-  2^27 (float16: 2^-6 .. 2^12); a one-element input (a scale) is (1 + |u|) 2^7
-  (float16: 2^4); an input of more than 2^20 elements (a weight: the op fixes its sizes, so it
-  never shrinks) stays uniform, as scaling a weight's output features apart would make the next
-  contraction ill-conditioned rather than test large values:
-  values far outside [-1, 1], large values, tables and scales with |value| > 1. An element
-  that eager itself overflows on (non-finite where every input is finite) is not compared; an
-  element eager computes finite must be finite and within tolerance in the replacement. Large
-  values make some subgraphs ill-conditioned (``p * (g - sum(g * p))`` with |p| > 1 loses digits
-  to cancellation, in eager as in any kernel), so here the tolerance also allows 2^-12 of the
-  row's rms (a faulty kernel is off by far more) and four times eager's own error (the largest in
-  the element's last-dim row), measured against the subgraph run in float64 (float32 for a
-  subgraph of 16-bit floats), where that run fits the budget;
+- ``magnitudes``: values far outside [-1, 1], large values, tables and scales above 1: uniform
+  times a power of two that changes from block to block (slices along the outermost dims, so
+  the rows an op reduces or contracts over keep one magnitude), from 2^-10 up to 2^27 (float16:
+  2^-6 .. 2^12); a one-element input (a scale, a temperature) is (1 + |u|) 2^7 (float16: 2^4).
+  An input of more than 2^20 elements (a weight: the op fixes its sizes, so it never shrinks)
+  stays uniform: scaling a weight's output features apart would make the next contraction
+  ill-conditioned rather than test large values. An element that eager itself overflows on is
+  not compared; an element eager computes finite must be finite and within tolerance in the
+  replacement. Large values still make some subgraphs ill-conditioned (``p * (g - sum(g * p))``
+  with |p| > 1 loses digits to cancellation, in eager as in any kernel), so this probe also
+  allows 2^-12 of the row's rms (a faulty kernel is off by far more) and four times eager's own
+  error (the largest in the element's last-dim row) measured against the subgraph run in float64
+  (float32 for a subgraph of 16-bit floats), where that run fits the budget;
 - ``NaN``: uniform with NaN and -0.0 planted in every float input: an output element is NaN in
   the replacement exactly where it is NaN in eager (the sign of a zero is not compared);
 - ``infinities``: uniform with +inf and -inf planted: where eager is finite the replacement is
@@ -54,16 +53,20 @@ Integer inputs used as indices are valid (distinct where the input has at most a
 entries as rows, negative ones where Python indexing allows them); other integers small.
 
 **Shapes.** A rewrite whose inputs hold at most ``FULL_ELEMENTS`` elements, with static
-shapes, runs at its real shapes with every probe. Otherwise:
+shapes, runs at its real shapes with every probe (so does one that shrinking would not make
+much smaller, e.g. an MLA prologue whose weights' sizes the op fixes, if it fits the budget).
+Otherwise:
 
 1. *Shrunk run*, every probe: each size of at least ``SHRINK_FROM`` becomes a distinct small
    prime, both in the inputs and in the integer arguments equal to it (and to its products
-   with the other dims of an input, a flattened view); sizes that no integer argument names
-   shrink per dim (the two sequence dims of an ``[S, S]`` attention map apart). A shrink is
-   used only if every node, run on meta tensors, gets the shape the shrink predicts, so the
-   shrunk problem is the same program at other sizes; sizes that break that stay real.
-   Symbolic sizes are symbols: the shrunk run sets each one to a small value that satisfies
-   every guard of the graph's shape environment.
+   with neighbouring sizes: a flattened view, ``view(q, [-1, heads, 192])``). A size is shrunk
+   per dim of the inputs, so that two dims of one size shrink apart (the sequence dims of an
+   ``[S, S]`` attention map; an MLA's heads and its 128-wide nope dim), each integer argument
+   following the dim it names, found by trying; where that fails, per value. A shrink is used
+   only if every node, run on meta tensors, gets the shape the shrink predicts, so the shrunk
+   problem is the same program at other sizes; sizes that break that stay real. Symbolic sizes
+   are symbols: the shrunk run sets each one to a small value that satisfies every guard of the
+   graph's shape environment.
 2. *Confirmation*, one per shrunk size (or symbol): that size at its real length (the hint of
    a symbol), the others shrunk, on the ``magnitudes`` probe, so every position of every dim
    is evaluated once at its real place. Where that exceeds the budget (a long sequence, a
@@ -74,8 +77,10 @@ shapes, runs at its real shapes with every probe. Otherwise:
 3. A symbolic graph runs once more, ``uniform``, at a second small value of every symbol.
 
 **Budget.** Every evaluation is sized before it runs, from its nodes' shapes on meta tensors:
-it may hold at most ``MEMORY_BUDGET`` bytes at once (inputs, clones of what a side mutates, and
-the live intermediates of one side). A rewrite that no problem of the plan fits is refused
+it may hold at most ``MEMORY_BUDGET`` bytes at once (inputs, clones of what a side mutates, the
+live intermediates of one side, a fused kernel's temporaries, the float64 reference where it
+runs); outputs are compared block by block. A weight is drawn as a repeated random block of a
+prime length (cheap, and no two of its rows alike) and reused by every problem of the rewrite. A rewrite that no problem of the plan fits is refused
 ("could not be validated within the budget: ..."), or kept with a warning and a mark in its
 report under ``config.keep_unvalidated_rewrites``. Nothing ships unchecked silently.
 
@@ -84,9 +89,10 @@ element plus a few eps of the scale of the values it is computed with, the rms o
 row (and, outside the ``magnitudes`` probe, of the whole output where that is larger).
 
 **What is not checked.** Values, sizes and positions no probe draws (a fault that needs two
-sizes past their shrunk lengths at once, or rows past the sampled ones of a size confirmed by
-sampling); the order of duplicate writes where eager's own order is undefined; the sign of a
-zero; the behaviour of the opaque and random ops themselves (their outputs are inputs here).
+sizes past their shrunk lengths at once, rows past the sampled ones of a size confirmed by
+sampling, a weight's values beyond [-1, 1]); the order of duplicate writes where eager's own
+order is undefined; the sign of a zero; which infinity or NaN an ``inf - inf`` becomes; the
+behaviour of the opaque and random ops themselves (their outputs are inputs here).
 
 An internal failure of the validator refuses the rewrite with the reason (never the compile):
 a rewrite that cannot be shown equal is not made.
@@ -125,7 +131,7 @@ GREEDY_TRIES = 6  # sizes tried one at a time (the largest savings) when shrinki
 # with; a miscompile (a wrong element, sign, slice, broadcast or write) is off by the values themselves.
 TOLERANCE_EPS = {torch.float16: (4, 8), torch.bfloat16: (4, 8), torch.float32: (16, 16), torch.float64: (16, 16)}
 
-# Powers of two by which the magnitudes probe scales rows (exact scalings, no rounding), per dtype.
+# Powers of two by which the magnitudes probe scales blocks (exact scalings, no rounding), per dtype.
 MAGNITUDES = {torch.float16: (2.0 ** -6, 1.0, 2.0 ** 4, 2.0 ** 8, 2.0 ** 12)}
 MAGNITUDES_DEFAULT = (2.0 ** -10, 1.0, 2.0 ** 7, 2.0 ** 14, 2.0 ** 27)
 MAGNITUDES_RTOL = 2.0 ** -12  # of the row's rms: what the magnitudes probe allows on top of rounding
@@ -265,15 +271,22 @@ def _mutates(node: Node) -> bool:
 
 
 def _is_random(node: Node) -> bool:
+    """A node that draws random numbers (running it would advance the user's generator)."""
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
-        return torch.Tag.nondeterministic_seeded in target.tags or target._opname in _UNINITIALIZED
+        return torch.Tag.nondeterministic_seeded in target.tags
     return target is torch.ops.higher_order.run_and_save_rng_state
+
+
+def _uninitialized(node: Node) -> bool:
+    """A node whose values are whatever memory holds (``empty``): a side may run it (it writes it
+    before reading), but its value is no input to compute."""
+    return isinstance(node.target, torch._ops.OpOverload) and node.target._opname in _UNINITIALIZED
 
 
 def _runnable(node: Node) -> bool:
     """A node the bridge may run: a known op (below) that neither draws random numbers nor mutates."""
-    return not _is_random(node) and not _mutates(node) and _known(node)
+    return not _is_random(node) and not _uninitialized(node) and not _mutates(node) and _known(node)
 
 
 def _known(node: Node) -> bool:

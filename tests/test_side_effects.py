@@ -78,6 +78,16 @@ def test_a_recompile_of_the_frame_keeps_its_first_compiles_config_until_reset():
     assert fused_ops(nf.get_reports()) == ["rotary_mul"]
 
 
+def test_a_bad_config_is_an_error_and_never_captured():
+    compiled = torch.compile(rope, backend="npu_fuse")
+    with nf.config.patch(fallback="aot_eager", translation_validation="off"), \
+            pytest.raises(Exception, match="must be True or False"):
+        compiled(*rope_args())
+    with nf.config.patch(fallback="aot_eager"):  # the same frame compiles again, with this config
+        compiled(*rope_args())
+    assert fused_ops(nf.get_reports()) == ["rotary_mul"]
+
+
 def test_the_compile_cache_key_is_the_one_of_the_captured_config():
     with nf.config.patch(disabled_fusions=["rope"], soc="Ascend950"):
         snapshot = nf.config.get_config_copy()
