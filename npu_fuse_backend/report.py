@@ -214,21 +214,21 @@ def graph_frame(graph: Graph) -> str:
     return f"[{compile_id}]" if compile_id is not None else ""
 
 
-def _graphs_logger() -> Optional[logging.Logger]:
-    """Where graphs go: ``npu_fuse_backend.graphs`` when its level is set (TORCH_LOGS names it; a parent's
-    level is not enough, so ``TORCH_LOGS="npu_fuse"`` alone logs no graphs), or the artifact."""
+def _graphs_logger() -> Optional[tuple]:
+    """(logger, level) where graphs go: ``npu_fuse_backend.graphs`` when its own level is set
+    (TORCH_LOGS names it; a parent's level is not enough, so ``TORCH_LOGS="npu_fuse"`` alone logs
+    no graphs), or the artifact; None when neither is on."""
     if graphs_log.level != logging.NOTSET and graphs_log.isEnabledFor(logging.INFO):
-        return graphs_log
-    return _graphs_artifact if _graphs_artifact.isEnabledFor(logging.DEBUG) else None
+        return graphs_log, logging.INFO
+    return (_graphs_artifact, logging.DEBUG) if _graphs_artifact.isEnabledFor(logging.DEBUG) else None
 
 
 def log_graph(when: str, gm: GraphModule, report: "GraphReport") -> None:
     """The graph to ``TORCH_LOGS="npu_fuse_backend.graphs"``."""
-    logger = _graphs_logger()
-    if logger is not None:
-        logger.log(logging.INFO if logger is graphs_log else logging.DEBUG,
-                   "graph %d %s npu_fuse's passes (%s, %s):\n%s", report.graph_id, when, report.frame,
-                   report.kind, gm.print_readable(print_output=False))
+    target = _graphs_logger()
+    if target is not None:
+        target[0].log(target[1], "graph %d %s npu_fuse's passes (%s, %s):\n%s", report.graph_id, when,
+                      report.frame, report.kind, gm.print_readable(print_output=False))
 
 
 _reports: collections.deque = collections.deque()
@@ -292,12 +292,11 @@ def drain_cached_reports() -> None:
             count -= 1
         for _ in range(count):
             report = dataclasses.replace(GraphReport.from_json(text), graph_id=next(_graph_ids), from_cache=True)
-            logger = _graphs_logger()
-            if logger is not None:
-                logger.log(logging.INFO if logger is graphs_log else logging.DEBUG,
-                           "graph %d (%s, %s) comes from the compile cache: npu_fuse's passes did not run on it "
-                           "now, so there is no graph to log (its report follows; a cold compile: "
-                           "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1)", report.graph_id, report.frame, report.kind)
+            target = _graphs_logger()
+            if target is not None:
+                target[0].log(target[1], "graph %d (%s, %s) comes from the compile cache: npu_fuse's passes did "
+                              "not run on it now, so there is no graph to log (its report follows; a cold compile: "
+                              "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1)", report.graph_id, report.frame, report.kind)
             publish(report)
 
 
