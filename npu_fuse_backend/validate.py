@@ -72,8 +72,8 @@ Otherwise:
    is evaluated once at its real place. Where that exceeds the budget (a long sequence, a
    paged cache's blocks), the size is confirmed on ``SAMPLE_ROWS`` sampled rows instead: the
    rows include the first and the last, and an ``arange`` of that length yields the sampled
-   rows' real positions; an indexed cache keeps the real block size, its slots remapped into a
-   cache of that many blocks (a whole cache is never copied).
+   rows' real positions. A paged cache's blocks and block size are confirmed in turn, the
+   other one shrunk, its slots remapped into that smaller cache (a whole cache is never copied).
 3. A symbolic graph runs once more, ``uniform``, at a second small value of every symbol.
 
 **Budget.** Every evaluation is sized before it runs, from its nodes' shapes on meta tensors:
@@ -123,7 +123,7 @@ SAMPLE_ROWS = 19  # rows of a size confirmed by sampling (a prime, past the shru
 BRIDGE_HOPS = 6  # how far back a shared input is traced to the values it is computed from
 PERIODIC_FROM = 1 << 20  # inputs with more elements are drawn periodically (see _uniform)
 PERIOD = 65521  # the largest prime below 2^16
-GREEDY_TRIES = 6  # sizes tried one at a time (the largest savings) when shrinking all of them at once fails
+GREEDY_TRIES = 12  # sizes tried one at a time (the largest savings) when shrinking all of them at once fails
 
 # Tolerance per output element, in units of the output dtype's eps: |a - b| <= rtol*|b| + atol*scale(b),
 # scale: the rms of the element's last-dim row (see _beyond_tolerance). A rounding difference (eager
@@ -986,12 +986,13 @@ def _value_map(nodes: list, leaves: list, lengths: dict, node_values: dict) -> t
         for start in range(len(shape)):
             for end in range(start + 2, len(shape) + 1):
                 window = shape[start:end]
-                if any(s in mapping for s in window):
+                if sum(s > 1 for s in window) > 1 and any(s in mapping for s in window):  # a product of sizes
                     real, new = math.prod(window), math.prod(mapping.get(s, s) for s in window)
                     products.setdefault(real, {}).setdefault(new, set()).add(named)
     derived = {}
+    changed = {size.real for size in lengths}
     for real, news in products.items():
-        if len(news) == 1 and real not in values:
+        if len(news) == 1 and real not in values and real not in changed:
             (new, named), = news.items()
             if real not in sizes:
                 values[real] = new
@@ -1314,8 +1315,8 @@ def _evaluate(nodes: list, env: dict, problem: _Problem, fallback=None, keep: Op
             args, kwargs = _widened((args, kwargs), precise)
         try:
             env[node] = _call(node, args, kwargs, problem, meta)
-        except Exception as exc:  # an outcome to compare, like a value
-            return Raised(exc, node)
+        except Exception as exc:  # an outcome to compare, like a value (its traceback, which holds the
+            return Raised(exc.with_traceback(None), node)  # evaluation's frames and their tensors, dropped)
         if keep is not None:
             for n in node.all_input_nodes:
                 if n in inside and last.get(n) == i and n not in keep:
