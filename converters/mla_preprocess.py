@@ -90,10 +90,21 @@ def _fill(shape, value, dtype) -> Tensor:
 
 def _descale(descale: Tensor, dtype) -> Tensor:
     """MlaPreprocess's dequant scale: float32 for bf16 input; for fp16 input the float32 bits as
-    int64 (ATB's MlaPreprocess tests: ``torch.frombuffer(f32 bytes, int32).to(int64)``)."""
+    int64 (ATB's MlaPreprocess tests: ``torch.frombuffer(f32 bytes, int32).to(int64)``).
+
+    The int32 bits are widened without a Cast: each one paired with its sign word (little-endian:
+    low word first) and the pairs bitcast to int64. torchair infers the symbolic shapes of the ops
+    a converter emits for an op GE does not build in (MlaPreprocess) and knows a Cast only of a
+    tensor it has inferred; a Cast of the Bitcast made it warn "infer and generate sym shape
+    failed ... 'NoneType' object has no attribute 'to'" and leave MlaPreprocess without its
+    inference rule (GE then falls back to the op's own InferShape on an NPU)."""
     scale = _f32(descale)
     if dtype == DataType.DT_FLOAT16:
-        scale = ge.Cast(ge.Bitcast(scale, type=DataType.DT_INT32), dst_type=DataType.DT_INT64)
+        low = ge.Bitcast(scale, type=DataType.DT_INT32)
+        high = ge.SelectV2(ge.Less(low, _const(0, DataType.DT_INT32)), _const(-1, DataType.DT_INT32),
+                           _const(0, DataType.DT_INT32))
+        pairs = ge.Pack([low, high], N=2, axis=-1)  # [n, 2] int32
+        scale = ge.Reshape(ge.Bitcast(pairs, type=DataType.DT_INT64), _const([-1], DataType.DT_INT64))
     return scale
 
 

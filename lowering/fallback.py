@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import inspect
 import json
+import marshal
 import typing
 import warnings
 from pathlib import Path
@@ -150,16 +151,37 @@ class FusionPrePass(CustomGraphPass):
 
     def uuid(self) -> str:
         """Changes whenever the rewritten graph could: our source, any registered fusion's
-        source, the graph pass, and every config knob but the report-only ones."""
+        source, the graph pass, and every config knob but the report-only ones (as the pass
+        will run them: the config captured when the graph's compile started)."""
         from npu_fuse_backend import config
         from npu_fuse_backend.fusion import registered_fusions
         from npu_fuse_backend.soc import resolve_soc
 
-        knobs = {**config.save_config_portable(), "soc": resolve_soc()}
-        fusions = {name: _source_digest(inspect.getsourcefile(cls)) for name, cls in registered_fusions().items()}
+        with config.patch(getattr(self.graph_pass, "config_snapshot", {})):
+            knobs = {**config.save_config_portable(), "soc": resolve_soc()}
+        fusions = {name: fusion_digest(cls) for name, cls in registered_fusions().items()}
         pass_name = f"{self.graph_pass.__module__}.{self.graph_pass.__qualname__}"
         identity = json.dumps([_package_digest(), fusions, pass_name, knobs], sort_keys=True, default=repr)
         return hashlib.sha256(identity.encode()).hexdigest()
+
+
+def fusion_digest(cls: type) -> str:
+    """What identifies a registered fusion's code: its source file, or where it has none (a class
+    defined in ``python -c``, stdin, a REPL or a notebook cell) its methods' bytecode and its
+    attributes, so that such a fusion still keys the cache instead of breaking the compile."""
+    try:
+        return _source_digest(inspect.getsourcefile(cls))
+    except (OSError, TypeError):
+        pass
+    digest = hashlib.sha256()
+    for klass in cls.__mro__:
+        if klass.__module__.startswith(__name__.rsplit(".", 2)[0]) or klass is object:
+            continue  # our own base classes are in the package digest
+        for name, value in sorted(vars(klass).items()):
+            function = getattr(value, "__func__", value)
+            code = getattr(function, "__code__", None)
+            digest.update(name.encode() + b"\0" + (marshal.dumps(code) if code is not None else repr(value).encode()))
+    return digest.hexdigest()
 
 
 def _package_sources() -> dict:
@@ -185,7 +207,9 @@ def _package_digest() -> str:
 
 @functools.lru_cache(None)
 def _source_digest(path: Optional[str]) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else ""
+    if not path:
+        raise OSError("no source file")
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 class NpuSettingIgnored(UserWarning):
@@ -295,7 +319,21 @@ def compile_with_inductor(gm: GraphModule, example_inputs, graph_pass: GraphPass
         patches.get("post_grad_custom_pre_pass", inductor_config.post_grad_custom_pre_pass))
     patches["post_grad_custom_pre_pass"] = [FusionPrePass(graph_pass), *user_passes]
     # compile_fx applies the patches again around the backward, which compiles lazily
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    return compile_fx(gm, example_inputs, inner_compile=_reporting_inner_compile, config_patches=patches)
+
+
+def _reporting_inner_compile(*args, **kwargs):
+    """Inductor's compile of one graph (forward, lazy backward, inference), then the reports it
+    stashed or a cache hit replayed taken out of ``counters["inductor"]`` and published at once:
+    counters and reports agree after every compile, and no report is left in inductor's counters."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    from npu_fuse_backend.report import drain_cached_reports
+
+    try:
+        return compile_fx_inner(*args, **kwargs)
+    finally:
+        drain_cached_reports()
 
 
 def compile_with_aot_eager(gm: GraphModule, example_inputs, graph_pass: GraphPass,
@@ -311,9 +349,59 @@ def compile_with_aot_eager(gm: GraphModule, example_inputs, graph_pass: GraphPas
     ignore_npu_settings("aot_eager", example_inputs, ignored)
 
     def run_fused(aten_gm: GraphModule, inputs):
+        traced = output_layouts(aten_gm)
         graph_pass(aten_gm, "aot_eager")
+        keep_output_layouts(aten_gm, traced)
         return make_boxed_func(aten_gm.forward)
 
     backend = aot_autograd(fw_compiler=run_fused, bw_compiler=run_fused,
                            keep_inference_input_mutations=True)
     return backend(gm, example_inputs)
+
+
+def output_layouts(gm: GraphModule) -> list:
+    """Each graph output's dims in the order of its traced strides (None for a non-tensor)."""
+    (outputs,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
+    return [_dense_order(o.meta.get("val")) if isinstance(o, Node) else None for o in outputs]
+
+
+def keep_output_layouts(gm: GraphModule, traced: list) -> None:
+    """Lay every graph output whose layout the passes changed out as eager (and the traced graph)
+    does, so that user code viewing an output of the compiled call still can. aot_eager runs the
+    graph as it is (inductor restores output strides itself)."""
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    outputs = list(output.args[0])
+    changed = False
+    for i, (node, order) in enumerate(zip(outputs, traced)):
+        if not isinstance(node, Node) or order is None or _dense_order(node.meta.get("val")) == order:
+            continue
+        with gm.graph.inserting_before(output):
+            restrided = gm.graph.call_function(_in_dim_order, (node, order))
+        restrided.meta = dict(node.meta)
+        outputs[i] = restrided
+        changed = True
+    if changed:
+        output.args = (type(output.args[0])(outputs),)
+        gm.recompile()
+
+
+def _dense_order(value) -> Optional[list]:
+    """A tensor's dims from outermost to innermost (size-1 and broadcast dims left out)."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
+
+    def hint(x) -> int:
+        return x if isinstance(x, int) else guarding_hint_or_throw(x)
+
+    dims = [d for d in range(value.dim()) if hint(value.shape[d]) != 1 and hint(value.stride()[d]) != 0]
+    return sorted(dims, key=lambda d: -hint(value.stride()[d]))
+
+
+def _in_dim_order(tensor: torch.Tensor, order: list) -> torch.Tensor:
+    """tensor, copied (if needed) to a dense layout whose dims go outermost-first in ``order``."""
+    if _dense_order(tensor) == order:
+        return tensor
+    rest = [d for d in range(tensor.dim()) if d not in order]
+    permutation = rest + list(order)
+    return tensor.permute(permutation).contiguous().permute([permutation.index(d) for d in range(tensor.dim())])

@@ -24,9 +24,6 @@ from .lowering.npugraph_ex import npugraph_ex_pre_pass
 from .fusion import FusionPass, Rewrite, register_fusion
 from .report import GraphReport, Match, NearMiss, clear_reports, get_reports
 
-# torch.compiler.reset() calls the reset() of each backend compiled with since the last reset
-npu_fuse_backend.reset = clear_reports
-
 __all__ = [
     "__version__", "FusionPass", "GraphReport", "Match", "NearMiss", "Rewrite", "clear_reports", "config",
     "get_npu_backend", "get_npugraph_ex_backend", "get_reports", "npu_fuse_backend", "npugraph_ex_pre_pass",

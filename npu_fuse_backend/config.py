@@ -16,6 +16,11 @@ import sys
 
 from torch.utils._config_module import install_config_module
 
+def _env(name: str, default: str) -> str:
+    """A string environment variable; unset or empty means the default."""
+    return os.environ.get(name, "").strip() or default
+
+
 def _env_list(name: str) -> list:
     return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
 
@@ -35,16 +40,16 @@ def _env_flag(name: str) -> bool:
 # Target SoC. "auto": the NPU's own SoC when torch_npu sees a device, else "generic".
 # "generic" applies only the shape contract of each fused op, no per-SoC gates.
 # Named SoCs: "Ascend910B", "Ascend910_93", "Ascend950".   [NPU_FUSE_SOC]
-soc: str = os.environ.get("NPU_FUSE_SOC", "auto")
+soc: str = _env("NPU_FUSE_SOC", "auto")
 
 # Where the rewritten graph goes when there is no NPU: "inductor" (fused ops are
 # lowered through their decompositions, so inductor fuses them as before) or
 # "aot_eager" (the fused ops' reference kernels run).   [NPU_FUSE_FALLBACK]
-fallback: str = os.environ.get("NPU_FUSE_FALLBACK", "inductor")
+fallback: str = _env("NPU_FUSE_FALLBACK", "inductor")
 
 # Force a lowering: "auto" (torchair when torch_npu, torchair and an NPU are
 # present, else the fallback), "npu" or "fallback".   [NPU_FUSE_LOWERING]
-lowering: str = os.environ.get("NPU_FUSE_LOWERING", "auto")
+lowering: str = _env("NPU_FUSE_LOWERING", "auto")
 
 # Names of fusion passes to skip, e.g. ["rope"].   [NPU_FUSE_DISABLE=rope,...]
 disabled_fusions: list = _env_list("NPU_FUSE_DISABLE")
@@ -54,6 +59,10 @@ strict: bool = _env_flag("NPU_FUSE_STRICT")
 
 # Run each rewrite's subgraph and replacement on random inputs; a difference refuses it (validate.py).
 translation_validation: bool = True
+
+# Keep a rewrite that translation validation cannot evaluate within its budget (64 MB per
+# evaluation; validate.py), with a warning and a mark in its report. Off: such a rewrite is refused.
+keep_unvalidated_rewrites: bool = False
 
 # Keep at most this many per-graph reports for get_reports() (oldest dropped).
 max_reports: int = 256
@@ -70,8 +79,9 @@ def validate() -> None:
     config = sys.modules[__name__]
     require_one_of("fallback", config.fallback, ("inductor", "aot_eager"))
     require_one_of("lowering", config.lowering, ("auto", "npu", "fallback"))
-    if not isinstance(config.strict, bool):
-        raise ValueError(f"{knob('strict', config.strict)}: must be True or False")
+    for name in ("strict", "translation_validation", "keep_unvalidated_rewrites"):
+        if not isinstance(getattr(config, name), bool):
+            raise ValueError(f"{knob(name, getattr(config, name))}: must be True or False")
     if isinstance(config.max_reports, bool) or not isinstance(config.max_reports, int) \
             or config.max_reports < 0:
         raise ValueError(f"{knob('max_reports', config.max_reports)}: must be an int >= 0 "

@@ -344,13 +344,15 @@ class FusionSettings:
     disabled_fusions: frozenset = frozenset()  # fusion names (current ones; old names are mapped)
     strict: bool = False  # raise instead of warning when a pass fails internally
     translation_validation: bool = True  # check every rewrite on random inputs (validate.py)
+    keep_unvalidated_rewrites: bool = False  # keep (with a warning) rewrites validation cannot afford
 
     @classmethod
     def from_config(cls) -> "FusionSettings":
         """The current config, checked (:func:`check_config`)."""
         check_config()
         return cls(soc=config.soc, disabled_fusions=frozenset(canonical_fusion_names(config.disabled_fusions)),
-                   strict=config.strict, translation_validation=config.translation_validation)
+                   strict=config.strict, translation_validation=config.translation_validation,
+                   keep_unvalidated_rewrites=config.keep_unvalidated_rewrites)
 
 
 def graph_kind(graph: Graph) -> str:
@@ -496,10 +498,11 @@ class PassManager:
                                                        "overlaps a subgraph that was already fused"))
                     continue
                 checkpoint = journal.checkpoint()
+                notes: list = []  # why a rewrite is kept unvalidated (config.keep_unvalidated_rewrites)
                 try:
                     inserted = journal.apply(rewrite, ctx.fake_mode)
                     refusal = self._refusal(ctx, inserted) or \
-                        self._differs(subgraph, journal.outputs_since(checkpoint), inserted)
+                        self._differs(subgraph, journal.outputs_since(checkpoint), inserted, notes)
                 except ArgumentsRefused as refused:
                     refusal = str(refused)
                 if refusal:
@@ -509,7 +512,8 @@ class PassManager:
                 claimed.update(inside - views)
                 shared.update(views)
                 matches.append(Match(fusion.name, rewrite.op, rewrite.anchor.name,
-                                     tuple(n.name for n in subgraph), rewrite.detail, **where(subgraph)))
+                                     tuple(n.name for n in subgraph), rewrite.detail, **where(subgraph),
+                                     unvalidated="; ".join(notes)))
             _erase_dead(ctx.graph, claimed | shared)
         except Exception as exc:  # a pass must never break the user's compile
             journal.rollback()
@@ -531,7 +535,7 @@ class PassManager:
                 return f"{name} on {ctx.soc}: {reason}"
         return None
 
-    def _differs(self, subgraph: list[Node], outputs: dict, inserted: list[Node]) -> Optional[str]:
+    def _differs(self, subgraph: list[Node], outputs: dict, inserted: list[Node], notes: list) -> Optional[str]:
         """Why the replacement does not stand in for the subgraph: a layout a later view relies on,
         or (translation validation) different values on random inputs."""
         for old, new in outputs.items():
@@ -543,7 +547,8 @@ class PassManager:
                     return (f"the replacement of {old.name} has strides {list(after.stride())}, not "
                             f"{list(before.stride())}, and {viewer.name} views it")
         if self.settings.translation_validation:
-            return check_rewrite(subgraph, outputs, inserted)
+            return check_rewrite(subgraph, outputs, inserted, notes=notes,
+                                 keep_unvalidated=self.settings.keep_unvalidated_rewrites)
         return None
 
     @staticmethod

@@ -159,6 +159,10 @@ def check_mla_preprocess_args(a: dict) -> None:
     else:
         _require(a["wuq"].dtype == dtype, f"unquantized path: wuq must be {dtype}, got {a['wuq'].dtype}")
     kv_cache, kv_rope = a["kv_cache"], a["kv_cache_rope"]
+    _require(not _overlap(kv_cache, kv_rope),
+             "kv_cache and kv_cache_rope must not share memory: the op updates both in place (schema "
+             "Tensor(a!) kv_cache, Tensor(b!) kv_cache_rope); in cache_mode 0 (KVCACHE) pass an empty tensor, "
+             "e.g. torch.empty(0), as kv_cache_rope")
     _require(kv_cache.dim() == 4 and kv_cache.shape[2] == 1, f"kv_cache must be [blocks, block_size, 1, dim], "
              f"got {_shape(kv_cache)}")
     block_size = kv_cache.shape[1]
@@ -183,6 +187,18 @@ def check_mla_preprocess_args(a: dict) -> None:
         _require(a["ctkv_scale"] is not None and a["ctkv_scale"].numel() == 1, "INT8_NZCACHE needs ctkv_scale [1]")
         _require(a["q_nope_scale"] is not None and a["q_nope_scale"].numel() == heads,
                  f"INT8_NZCACHE needs q_nope_scale with {heads} values (one per head)")
+
+
+def _overlap(a: Tensor, b: Tensor) -> bool:
+    """a and b are one tensor, or views of one storage (fake and functional tensors included)."""
+    if a is b:
+        return True
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    try:
+        return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+    except Exception:  # a tensor without storage (e.g. functional wrappers): only identity tells
+        return torch._C._is_alias_of(a, b)
 
 
 def check_slots(slots: Tensor, cache: Tensor) -> None:
