@@ -5,7 +5,11 @@ PY := $(VENV)/bin/python
 # torch_npu carries torchair; installed off every import path (see tests/torchair_offline.py)
 TORCH_NPU_DIR := .cache/torch_npu
 
-.PHONY: demo test bench
+# vLLM's CPU build (3.4 GB, transformers<5.20): a venv of its own, under the ignored .cache/
+VLLM_VENV := .cache/vllm-venv
+VLLM_PY := $(VLLM_VENV)/bin/python
+
+.PHONY: demo test bench test-vllm bench-vllm
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +26,23 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed $(TORCH_NPU_DIR)/.fetched
 	$(PY) -m pytest -q
+
+# torchvision/torchaudio/torchcodec come as CUDA builds that break vLLM's imports on CPU: removed
+$(VLLM_VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q -e '.[vllm]' pytest torch==2.13.0
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+# npu_fuse inside vLLM's compile (engines started for real), then the vLLM-op fusion and the pass
+# against vLLM's kernel and pass classes
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider -m vllm tests/test_vllm.py
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_rope_vllm.py tests/test_vllm_pass.py
+
+bench-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_PY) benchmarks/vllm_serving.py
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/fallback_runtime.py

@@ -1,10 +1,10 @@
-"""Coverage: how much of each model family's RoPE and attention npu_fuse fuses.
+"""Coverage: how much of each model family's RoPE, attention and RMSNorm npu_fuse fuses.
 
 The zoo is ``npu_fuse_backend.model_zoo``: transformers' own model classes (tiny configs,
 random weights, eager attention). Each family is compiled for inference and for a training
 step; per fused op the table gives fused / expected sites (expected: the family's RoPE
-sites, q and k per layer, and one softmax backward per layer), the near-misses, and whether
-the outputs (and gradients) match eager within the dtype's tolerance.
+sites, q and k per layer, one softmax backward per layer, and its RMSNorms in the forward),
+the near-misses, and whether the outputs (and gradients) match eager within the dtype's tolerance.
 
 Training is also run the ways models are trained, for the Llama-, DeepSeek-V3- and GPT-NeoX-style
 families: bf16 weights, autocast bf16, fp16 weights, and dynamic=True (two sequence lengths, one
@@ -147,9 +147,10 @@ def main():
         name, rows,
         f"transformers model classes, {args.layers} layers, {args.dtype}, fallback {args.fallback}, eager "
         "attention; each cell is fused / expected sites of that op (expected: q and k RoPE per layer, forward "
-        "and backward, and one softmax backward per layer in training; with dynamic=True no softmax backward: "
-        "SoftmaxGradExt needs static shapes). The precision rows' numerics: the compiled step no farther from an "
-        "fp32 run than eager's step in that precision; the number is max |compiled - eager|. "
+        "and backward, one softmax backward per layer in training (with dynamic=True none: SoftmaxGradExt "
+        "needs static shapes), and the RMSNorms of the forward: the residual add and norm twice per layer, the "
+        "first norm alone, q/k and MLA latent norms). The precision rows' numerics: the compiled step no farther "
+        "from an fp32 run than eager's step in that precision; the number is max |compiled - eager|. "
         f"{complete} of {len(rows)} rows fully fused." +
         ("\n\nNear-misses reported:\n\n" + "\n".join(f"- {m}" for m in misses) if misses else
          "\n\nNo near-miss reported."),

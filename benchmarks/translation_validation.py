@@ -1,162 +1,193 @@
-"""Compile-time cost of translation validation: the fusion passes' time with and without it.
+"""Cost of translation validation on large models: time and peak extra memory, validation off and on.
 
-Each aten graph the backend gets (32-layer Llama, inference and training; an MLA decode
-step) is copied and passed through the fusion passes with ``translation_validation`` off
-and on, in alternating order, ``--repeat`` times after one warm-up pair (the median of each
-is kept, garbage collection paused inside a run), so both sides see the same graphs in the
-same process; the time inside the validator is measured too. The first call's whole
-compile time is given for scale.
-Run: python benchmarks/translation_validation.py [--layers 32] [--repeat 7] [--fallback aot_eager]
+Each case runs in fresh processes, one with translation validation off and one with it on (in
+alternating order, ``--repeat`` pairs), so that both see a cold compile in a process of their own:
+
+- ``compile_s``: the first call's wall time: Dynamo, AOTAutograd, the passes and the lowering of
+  the forward, and for a training step the backward its ``.backward()`` compiles;
+- ``validation_s``: the time spent inside the validator (``check_rewrite``), and its share of the
+  compile with validation on (the budget: at most 2 %);
+- ``validation_peak_extra_mb``: the most resident memory the validator added over what the process
+  held when it started, sampled every 0.5 ms from ``/proc/self/statm`` while it runs (budget: 64 MB);
+- ``process_peak_mb``: the process's peak resident memory (``ru_maxrss``), side by side.
+
+Cases: a 2048-token softmax training step (softmax backward on [1, 4, 2048, 2048] fp32), one
+decode step of an MLA attention over a 1 GB paged KV cache (bf16, 7282 blocks of 128 slots, hidden
+2048, 16 heads, 4 tokens), and a 32-layer Llama-style training step (hidden 256, seq 64, batch 2).
+
+Run (heavy; prefix ``nice``): python benchmarks/translation_validation.py [--fallback inductor]
+[--repeat 1] [--cases softmax,mla,llama]
 """
 
 import argparse
-import gc
+import json
+import os
+import resource
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
-import torch
-from torch._dynamo.utils import counters
-from torch.fx import Graph, GraphModule
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import table, write_results  # noqa: E402
 
-import npu_fuse_backend as nf  # noqa: E402
-from npu_fuse_backend import fusion  # noqa: E402
-from npu_fuse_backend.validate import check_rewrite, forget_shown_equal  # noqa: E402
-from npu_fuse_backend.demo_models import DecoderConfig, DeepSeekMLA, LlamaModel, MLAConfig, \
-    mla_decode_inputs  # noqa: E402
-
-
-def copy_of(gm: GraphModule) -> GraphModule:
-    graph = Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return GraphModule(gm, graph)
+CASES = {
+    "softmax": "softmax training step, 2048 tokens (softmax backward over [1, 4, 2048, 2048] fp32 scores)",
+    "mla": "MLA decode step, 1 GB paged KV cache (bf16, 7282 x 128 slots, hidden 2048, 16 heads, 4 tokens)",
+    "llama": "Llama-style training step, 32 layers (hidden 256, seq 64, batch 2)",
+}
 
 
-class Timed:
-    """Wraps the pass manager: every graph it gets is first timed on copies, validation off and on."""
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-    def __init__(self, repeat: int):
-        self.repeat = repeat
-        self.graphs = []
-        self.original = fusion.PassManager.__call__
-        self.in_validation = 0.0
 
-    def check_rewrite(self, *args, **kwargs):
+class PeakSampler:
+    """The highest resident memory above a baseline while ``running`` (a background thread)."""
+
+    def __init__(self):
+        self.peak_extra = 0
+        self._running = threading.Event()
+        self._stop = False
+        self._baseline = 0
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self):
+        while not self._stop:
+            if self._running.wait(0.1):
+                self.peak_extra = max(self.peak_extra, _rss_bytes() - self._baseline)
+                time.sleep(0.0005)
+
+    def __enter__(self):
+        self._baseline = _rss_bytes()
+        self._running.set()
+        return self
+
+    def __exit__(self, *exc):
+        self.peak_extra = max(self.peak_extra, _rss_bytes() - self._baseline)
+        self._running.clear()
+
+
+def child(case: str, validation: bool, fallback: str) -> dict:
+    """One cold compile (and run) of ``case`` in this process."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    import npu_fuse_backend as nf
+    from npu_fuse_backend import fusion
+    from npu_fuse_backend.demo_models import DecoderConfig, DeepSeekMLA, LlamaModel, MLAConfig, mla_decode_inputs
+
+    inside = {"s": 0.0, "calls": 0}
+    sampler = PeakSampler()
+    check = fusion.check_rewrite
+
+    def timed(*args, **kwargs):
         start = time.perf_counter()
         try:
-            return check_rewrite(*args, **kwargs)
+            with sampler:
+                return check(*args, **kwargs)
         finally:
-            self.in_validation += time.perf_counter() - start
+            inside["s"] += time.perf_counter() - start
+            inside["calls"] += 1
 
-    def __call__(self, manager, gm, *args, **kwargs):
-        times, inside = {False: [], True: []}, []
-        tally = counters["npu_fuse_validation"]
-        for i in range(self.repeat + 1):  # the first pair warms caches (fake-tensor dispatch) and is dropped
-            for validate in ((False, True) if i % 2 else (True, False)):
-                forget_shown_equal()  # each run a cold compile: no rewrite known equal yet
-                tally.clear()
-                gc.collect()
-                gc.disable()  # a collection inside one run but not the other is noise, not cost
-                try:
-                    with nf.config.patch(translation_validation=validate):
-                        report = self.original(fusion.PassManager(), copy_of(gm), *args, **kwargs)
-                finally:
-                    gc.enable()
-                if i:
-                    times[validate].append(report.pass_seconds)
-                    if validate:
-                        inside.append(self.in_validation)
-                self.in_validation = 0.0
-        best = {validate: statistics.median(t) for validate, t in times.items()}
-        evaluated = sum(tally.values()) - 2 * tally["equal_by_identical_rewrite"]
-        self.graphs.append({"kind": report.kind, "nodes": report.node_count, "rewrites": len(report.matches),
-                            "near_misses": len(report.near_misses), "evaluated": evaluated,
-                            "off_s": best[False], "on_s": best[True], "inside_s": statistics.median(inside)})
-        forget_shown_equal()
-        return self.original(manager, gm, *args, **kwargs)
+    fusion.check_rewrite = timed
+    torch.manual_seed(0)
+    if case == "softmax":  # (not followed by @ v: inductor would make an attention SDPA, hiding the softmax)
+        def softmax(scores, weights):
+            return torch.softmax(scores * 0.125, dim=-1) * weights
 
-
-def measure(name: str, run, repeat: int) -> dict:
-    timed = Timed(repeat)
-    torch._dynamo.reset()
-    nf.clear_reports()
-    fusion.PassManager.__call__ = lambda manager, gm, *a, **k: timed(manager, gm, *a, **k)
-    fusion.check_rewrite = timed.check_rewrite
-    try:
-        start = time.perf_counter()
-        run()
-        compile_s = time.perf_counter() - start
-    finally:
-        fusion.PassManager.__call__ = timed.original
-        fusion.check_rewrite = check_rewrite
-    graphs = timed.graphs
-    off, on, inside = (sum(g[key] for g in graphs) for key in ("off_s", "on_s", "inside_s"))
-    rewrites = sum(g["rewrites"] for g in graphs)
-    # the first call also ran the timing copies: take them out of the compile time
-    compile_s -= sum((repeat + 1) * (g["off_s"] + g["on_s"]) for g in graphs)
-    row = {"case": name, "graphs": len(graphs), "aten_nodes": sum(g["nodes"] for g in graphs),
-           "rewrites": rewrites, "near_misses": sum(g["near_misses"] for g in graphs),
-           "evaluated": sum(g["evaluated"] for g in graphs),
-           "passes_off_ms": off * 1e3, "passes_on_ms": on * 1e3, "on/off": on / off,
-           "in_validation_ms": inside * 1e3, "ms_per_rewrite": inside * 1e3 / max(rewrites, 1),
-           "compile_s": compile_s, "validation_%_of_compile": 100 * inside / compile_s}
-    print(row, flush=True)
-    return row
-
-
-def llama(layers: int, train: bool, fallback: str):
-    def run():
-        torch.manual_seed(0)
-        model = LlamaModel(DecoderConfig(layers=layers))
-        x = torch.randn(2, 64, 256, requires_grad=train)
-        pos = torch.arange(64).expand(2, 64)
-        with nf.config.patch(fallback=fallback), torch.set_grad_enabled(train), \
-                torch._inductor.config.patch(force_disable_caches=True):
-            out = torch.compile(model, backend="npu_fuse")(x, pos)
-            if train:
-                out.sum().backward()
-
-    return run
-
-
-def mla_decode(fallback: str):
-    def run():
-        cfg = MLAConfig()
-        torch.manual_seed(0)
+        model, train = softmax, True
+        args = [torch.randn(1, 4, 2048, 2048, requires_grad=True), torch.randn(1, 4, 2048, 2048)]
+    elif case == "mla":
+        cfg = MLAConfig(block_size=128, num_blocks=7282)
         model = DeepSeekMLA(cfg).to(torch.bfloat16).eval()
         cache = torch.zeros(cfg.num_blocks, cfg.block_size, 1, cfg.kv_lora + cfg.rope, dtype=torch.bfloat16)
-        x, cos, sin, slots, context = mla_decode_inputs(cfg, 4, 0)
-        with nf.config.patch(fallback=fallback), torch.no_grad(), \
-                torch._inductor.config.patch(force_disable_caches=True):
-            torch.compile(model, backend="npu_fuse")(x, cos, sin, slots, cache, context)
+        x, cos, sin, slots, context = mla_decode_inputs(cfg, 4, 1)
+        args, train = [x, cos, sin, slots, cache, context], False
+    else:
+        model = LlamaModel(DecoderConfig(layers=32))
+        args, train = [torch.randn(2, 64, 256, requires_grad=True), torch.arange(64).expand(2, 64)], True
+    with nf.config.patch(fallback=fallback, translation_validation=validation), torch.set_grad_enabled(train), \
+            torch._inductor.config.patch(force_disable_caches=True):
+        start = time.perf_counter()
+        out = torch.compile(model, backend="npu_fuse")(*args)
+        if train:
+            out.sum().backward()
+        compile_s = time.perf_counter() - start
+    reports = nf.get_reports()
+    return {"compile_s": compile_s, "validation_s": inside["s"], "validations": inside["calls"],
+            "validation_peak_extra_mb": sampler.peak_extra / 2 ** 20,
+            "process_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "fused": sorted({m.op for r in reports for m in r.matches}),
+            "rewrites": sum(len(r.matches) for r in reports),
+            "refused": [n.reason for r in reports for n in r.near_misses if "validated" in n.reason
+                        or "differs" in n.reason],
+            "tally": dict(counters["npu_fuse_validation"])}
 
-    return run
+
+def run_child(case: str, validation: bool, fallback: str) -> dict:
+    # a fixed mmap threshold: glibc returns every large block on free, so resident memory follows what
+    # is allocated (its dynamic threshold would keep freed blocks and charge them to whoever comes next)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    done = subprocess.run([sys.executable, __file__, "--child", json.dumps([case, validation, fallback])],
+                          capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise RuntimeError(f"{case} (validation {validation}) failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(case: str, fallback: str, repeat: int) -> dict:
+    runs = {False: [], True: []}
+    for i in range(repeat):
+        for validation in ((False, True) if i % 2 == 0 else (True, False)):
+            runs[validation].append(run_child(case, validation, fallback))
+    med = lambda side, key: statistics.median(r[key] for r in runs[side])  # noqa: E731
+    on = runs[True][-1]
+    row = {"case": CASES[case], "fused": ", ".join(on["fused"]), "rewrites": on["rewrites"],
+           "validated": on["tally"].get("equal", 0), "refused_by_validation": len(on["refused"]),
+           "compile_s_off": med(False, "compile_s"), "compile_s_on": med(True, "compile_s"),
+           "validation_s": med(True, "validation_s"),
+           "validation_%_of_compile": 100 * med(True, "validation_s") / med(True, "compile_s"),
+           "validation_peak_extra_mb": max(r["validation_peak_extra_mb"] for r in runs[True]),
+           "process_peak_mb_off": med(False, "process_peak_mb"), "process_peak_mb_on": med(True, "process_peak_mb"),
+           "evaluations": on["tally"].get("evaluations", 0)}
+    if on["refused"]:
+        row["refusals"] = on["refused"]
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--repeat", type=int, default=7)
-    parser.add_argument("--fallback", default="aot_eager", choices=("inductor", "aot_eager"))
+    parser.add_argument("--fallback", default="inductor", choices=("inductor", "aot_eager"))
+    parser.add_argument("--repeat", type=int, default=1, help="pairs of processes per case (medians)")
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    rows = [measure(f"llama-{args.layers} inference", llama(args.layers, False, args.fallback), args.repeat),
-            measure(f"llama-{args.layers} training (fw+bw)", llama(args.layers, True, args.fallback), args.repeat),
-            measure("deepseek-mla decode (hidden 2048, bf16)", mla_decode(args.fallback), args.repeat)]
+    if args.child:
+        print(json.dumps(child(*json.loads(args.child))))
+        return
+    from common import table, write_results
+
+    rows = [measure(case, args.fallback, args.repeat) for case in args.cases.split(",")]
+    columns = ["case", "fused", "rewrites", "validated", "refused_by_validation", "compile_s_off", "compile_s_on",
+               "validation_s", "validation_%_of_compile", "validation_peak_extra_mb", "process_peak_mb_off",
+               "process_peak_mb_on", "evaluations"]
     path = write_results(
         f"translation_validation_{args.fallback}", rows,
-        f"Fusion-pass time per compile with translation validation off and on (median of {args.repeat}, "
-        f"side by side on copies of the same graphs), Llama-style decoder (hidden 256, 4 heads, GQA 2 kv heads, "
-        f"seq 64, batch 2) and one MLA decode step; fallback {args.fallback}. compile_s: the first call's "
-        "wall time without the timing copies. Validation runs every rewrite's subgraph and replacement on "
-        "random inputs (the MLA prologue on a valid and two out-of-range slot draws); evaluated: the rewrites "
-        "actually run, the others being identical to one already shown equal; in_validation_ms: the time "
-        "spent inside the validator (median), the cost itself, which the passes_on/off difference shows "
-        "only through the noise of a shared 2-core CPU.",
-        table(rows, list(rows[0])))
+        f"Translation validation off and on, each case in fresh processes (cold compile, inductor's caches off; "
+        f"median of {args.repeat} pair(s)), fallback {args.fallback}. compile_s: the first call's wall time "
+        "(forward, and the backward a training step's .backward() compiles). validation_s: time inside the "
+        "validator; validation_%_of_compile: its share of compile_s_on (budget: 2 %). validation_peak_extra_mb: "
+        "the most resident memory the validator added over the process's memory when it started (sampled "
+        "every 0.5 ms, glibc's mmap threshold fixed at 64 KB so that freed blocks leave; budget: 64 MB). "
+        "process_peak_mb: the process's peak resident memory, off and on. "
+        "validated: rewrites shown equal by an evaluation (the others identical to one of them); "
+        "evaluations: probe evaluations of both sides.",
+        table(rows, columns))
     print(f"wrote {path}")
 
 

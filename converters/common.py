@@ -1,7 +1,8 @@
 """What the converters declare beside their graph_convert functions, and what they share.
 
 - ``declare_ge_ops(fused_op, {soc: GE op types | reason})``: the GE ops a converter emits
-  for each target SoC (``generic`` included), or why it has none there. The torchair
+  for each target SoC (``generic`` included), or why it has none there (a SoC where the op
+  itself has no kernel is the op's to say: ``unavailable_on`` beside it). The torchair
   lowering asks the installed CANN for each of them (``get_registered_ir_def``) and turns
   the fusions of an op whose GE ops are missing into near-misses (version tolerance).
 - ``declare_in_place_on_graph_inputs(op)``: a mutating fused op whose converter may be
@@ -15,17 +16,26 @@
 
 from typing import Optional, Union
 
+import torch
 from torchair._ge_concrete_graph.compat_ir import IrDef, ge_op
 from torchair.ge._ge_graph import dont_prune_me
 
-from ..soc import resolve_soc, unknown_soc_reason
+from npu_fuse_backend.lowering.registry import UNAVAILABLE
+from npu_fuse_backend.soc import resolve_soc, unknown_soc_reason
 
 GE_OPS: dict = {}  # fused op name -> {soc: tuple of GE op types, or the reason there is none}
 IN_PLACE_ON_GRAPH_INPUTS: set = set()  # fused OpOverloads (mutating) converted in place on a graph input
 
 
 def declare_ge_ops(fused_op: str, per_soc: dict[str, Union[tuple, str]]) -> None:
-    GE_OPS[fused_op] = dict(per_soc)
+    """The SoCs where the op has no kernel at all come from the op's own table
+    (``lowering.registry.unavailable_on``), with its reasons; ``per_soc`` names the others."""
+    unavailable = UNAVAILABLE.get(getattr(torch.ops.npu_fuse, fused_op).default, {})
+    restated = sorted(set(per_soc) & set(unavailable))
+    if restated:
+        raise ValueError(f"declare_ge_ops({fused_op!r}): {restated} are the op's unavailable_on SoCs; "
+                         "their reasons are said once, beside the op")
+    GE_OPS[fused_op] = {**unavailable, **per_soc}
 
 
 def declare_in_place_on_graph_inputs(op) -> None:

@@ -17,17 +17,16 @@ from torchair.ge._ge_graph import Tensor, TensorSpec
 
 from torchair.ge import attr
 
-from ..soc import A2_A3, ASCEND950, GENERIC
-from .common import declare_ge_ops, ir_op, target_soc
-from .rotary_mul import ROPE_GRAD_IR
+from npu_fuse_backend.soc import A2_A3, ASCEND950, GENERIC
+from npu_fuse_backend.converters.common import declare_ge_ops, ir_op, target_soc
+from npu_fuse_backend.converters.rope import ROPE_GRAD_IR
 
 INTERLEAVE_HALF = 3  # RotaryPositionEmbedding's mode: de-interleave the pairs, then half rotation
 NOT_PORTABLE = ("InterleaveRope exists on Atlas A2/A3 only and RotaryPositionEmbedding mode 3 on Ascend950 "
                 "only; a generic GE graph uses only ops every SoC has")
 declare_ge_ops("interleave_rope", {**{soc: ("InterleaveRope",) for soc in A2_A3},
                                    ASCEND950: ("RotaryPositionEmbedding",), GENERIC: NOT_PORTABLE})
-declare_ge_ops("interleave_rope_backward", {
-    **{soc: f"no GE op computes the interleave-half RoPE gradient on {soc}" for soc in A2_A3},
+declare_ge_ops("interleave_rope_backward", {  # A2/A3: the op's unavailable_on
     ASCEND950: ("RotaryPositionEmbeddingGrad",), GENERIC: NOT_PORTABLE})
 
 

@@ -50,9 +50,9 @@ from torchair.ge import attr, custom_op
 from torchair._ge_concrete_graph.utils import specific_op_input_layout
 from torchair.ge._ge_graph import DataType, Tensor, torch_type_to_ge_type
 
-from ..lowering.ops import mla_preprocess as mla
-from ..soc import A2_A3, ASCEND950, GENERIC
-from .common import declare_ge_ops, target_soc
+from npu_fuse_backend.lowering.ops import mla_preprocess as mla
+from npu_fuse_backend.soc import A2_A3, ASCEND950, GENERIC
+from npu_fuse_backend.converters.common import declare_ge_ops, target_soc
 
 # MlaPreprocess's 24 required inputs, in op-def order
 GE_INPUTS = ("input", "gamma_0", "beta_0", "quant_scale_0", "quant_offset_0", "wdqkv", "descale_0", "bias_0",
@@ -90,10 +90,21 @@ def _fill(shape, value, dtype) -> Tensor:
 
 def _descale(descale: Tensor, dtype) -> Tensor:
     """MlaPreprocess's dequant scale: float32 for bf16 input; for fp16 input the float32 bits as
-    int64 (ATB's MlaPreprocess tests: ``torch.frombuffer(f32 bytes, int32).to(int64)``)."""
+    int64 (ATB's MlaPreprocess tests: ``torch.frombuffer(f32 bytes, int32).to(int64)``).
+
+    The int32 bits are widened without a Cast: each one paired with its sign word (little-endian:
+    low word first) and the pairs bitcast to int64. torchair infers the symbolic shapes of the ops
+    a converter emits for an op GE does not build in (MlaPreprocess) and knows a Cast only of a
+    tensor it has inferred; a Cast of the Bitcast made it warn "infer and generate sym shape
+    failed ... 'NoneType' object has no attribute 'to'" and leave MlaPreprocess without its
+    inference rule (GE then falls back to the op's own InferShape on an NPU)."""
     scale = _f32(descale)
     if dtype == DataType.DT_FLOAT16:
-        scale = ge.Cast(ge.Bitcast(scale, type=DataType.DT_INT32), dst_type=DataType.DT_INT64)
+        low = ge.Bitcast(scale, type=DataType.DT_INT32)
+        high = ge.SelectV2(ge.Less(low, _const(0, DataType.DT_INT32)), _const(-1, DataType.DT_INT32),
+                           _const(0, DataType.DT_INT32))
+        pairs = ge.Pack([low, high], N=2, axis=-1)  # [n, 2] int32
+        scale = ge.Reshape(ge.Bitcast(pairs, type=DataType.DT_INT64), _const([-1], DataType.DT_INT64))
     return scale
 
 
@@ -108,8 +119,8 @@ def _uses_mla_preprocess(a) -> bool:
     may not be: the fusion's calls are, ``mla_preprocess_soc_limits``)."""
     tokens, heads = _tokens_heads(a)
     hidden = a["input"].symsize[1]
-    return (target_soc() in A2_A3 and isinstance(tokens, int) and tokens <= mla.GE_MAX_TOKENS
-            and heads in mla.GE_HEADS and hidden % mla.GE_HIDDEN_MULTIPLE == 0 and _mla_preprocess_registered())
+    return (target_soc() in A2_A3 and mla.mla_preprocess_ge_refusal(tokens, heads, hidden) is None
+            and _mla_preprocess_registered())
 
 
 # what the conversion cannot do without (version tolerance): MlaPreprocess is taken when the installed
@@ -131,22 +142,20 @@ declare_ge_ops("mla_preprocess", {
             cache_mode=0, quant_mode=0, epsilon=1e-6),
 ])
 @register_fx_node_ge_converter(torch.ops.npu_fuse.mla_preprocess.default)
-def convert_mla_preprocess(input, gamma0, beta0, wdqkv, descale0, gamma1, beta1, wuq, descale1, gamma2, cos, sin,
-                           wuk, kv_cache, kv_cache_rope, slotmapping, quant_scale0=None, quant_offset0=None,
-                           bias0=None, quant_scale1=None, quant_offset1=None, bias1=None, ctkv_scale=None,
-                           q_nope_scale=None, cache_mode=0, quant_mode=0, epsilon=1e-6, meta_outputs=None):
-    a = {k: v for k, v in locals().items() if k != "meta_outputs"}
-    if cache_mode not in mla.GE_CACHE_MODES or quant_mode != mla.PER_TENSOR_QUANT_ASYMM:
-        raise NotImplementedError(f"npu_fuse.mla_preprocess under torchair: cache_mode {cache_mode} / quant_mode "
-                                  f"{quant_mode} is not converted (ND caches, modes 0 and 1, quant mode 0 only)")
+def convert_mla_preprocess(*args, meta_outputs=None, **kwargs):
+    a = mla.bind_args(args, kwargs)  # the op's arguments by name
+    cache_mode = a["cache_mode"]
+    refusal = mla.ge_modes_refusal(cache_mode, a["quant_mode"])
+    if refusal:
+        raise NotImplementedError(f"npu_fuse.mla_preprocess under torchair: {refusal}")
     stages = _with_mla_preprocess(a) if _uses_mla_preprocess(a) else _stage_by_stage(a)
     q_out0, q_out1, rows = stages
     if cache_mode == mla.KVCACHE:  # q_out1 is empty in this mode; emitted before the scatter (the last op)
-        q_out1 = _fill([0], 0, _dtype(input))
+        q_out1 = _fill([0], 0, _dtype(a["input"]))
     else:
-        _scatter_rows(kv_cache_rope, rows[1], slotmapping)
+        _scatter_rows(a["kv_cache_rope"], rows[1], a["slotmapping"])
     # kv_cache last: torchair binds the updated cache to an output of the last op only
-    _scatter_rows(kv_cache, rows[0], slotmapping)
+    _scatter_rows(a["kv_cache"], rows[0], a["slotmapping"])
     return q_out0, q_out1
 
 

@@ -17,7 +17,9 @@ import hashlib
 import importlib.util
 import inspect
 import json
+import marshal
 import typing
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -28,7 +30,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
 from torch.fx import Graph, GraphModule, Node
 
-from .registry import DECOMPOSITIONS
+from npu_fuse_backend.lowering.registry import DECOMPOSITIONS
 
 GraphPass = Callable[[GraphModule, str], Any]
 
@@ -140,7 +142,7 @@ class FusionPrePass(CustomGraphPass):
         self.graph_pass = graph_pass
 
     def __call__(self, graph: Graph) -> None:
-        from ..report import stash_for_compile_cache
+        from npu_fuse_backend.report import stash_for_compile_cache
 
         gm = graph.owning_module
         report = self.graph_pass(gm, "inductor")
@@ -149,16 +151,37 @@ class FusionPrePass(CustomGraphPass):
 
     def uuid(self) -> str:
         """Changes whenever the rewritten graph could: our source, any registered fusion's
-        source, the graph pass, and every config knob but the report-only ones."""
-        from .. import config
-        from ..fusion import registered_fusions
-        from ..soc import resolve_soc
+        source, the graph pass, and every config knob but the report-only ones (as the pass
+        will run them: the config captured when the graph's compile started)."""
+        from npu_fuse_backend import config
+        from npu_fuse_backend.fusion import registered_fusions
+        from npu_fuse_backend.soc import resolve_soc
 
-        knobs = {**config.save_config_portable(), "soc": resolve_soc()}
-        fusions = {name: _source_digest(inspect.getsourcefile(cls)) for name, cls in registered_fusions().items()}
+        with config.patch(getattr(self.graph_pass, "config_snapshot", {})):
+            knobs = {**config.save_config_portable(), "soc": resolve_soc()}
+        fusions = {name: fusion_digest(cls) for name, cls in registered_fusions().items()}
         pass_name = f"{self.graph_pass.__module__}.{self.graph_pass.__qualname__}"
         identity = json.dumps([_package_digest(), fusions, pass_name, knobs], sort_keys=True, default=repr)
         return hashlib.sha256(identity.encode()).hexdigest()
+
+
+def fusion_digest(cls: type) -> str:
+    """What identifies a registered fusion's code: its source file, or where it has none (a class
+    defined in ``python -c``, stdin, a REPL or a notebook cell) its methods' bytecode and its
+    attributes, so that such a fusion still keys the cache instead of breaking the compile."""
+    try:
+        return _source_digest(inspect.getsourcefile(cls))
+    except (OSError, TypeError):
+        pass
+    digest = hashlib.sha256()
+    for klass in cls.__mro__:
+        if klass.__module__.startswith(__name__.rsplit(".", 2)[0]) or klass is object:
+            continue  # our own base classes are in the package digest
+        for name, value in sorted(vars(klass).items()):
+            function = getattr(value, "__func__", value)
+            code = getattr(function, "__code__", None)
+            digest.update(name.encode() + b"\0" + (marshal.dumps(code) if code is not None else repr(value).encode()))
+    return digest.hexdigest()
 
 
 def _package_sources() -> dict:
@@ -184,7 +207,66 @@ def _package_digest() -> str:
 
 @functools.lru_cache(None)
 def _source_digest(path: Optional[str]) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else ""
+    if not path:
+        raise OSError("no source file")
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+class NpuSettingIgnored(UserWarning):
+    """A torch.compile mode or option that only an NPU lowering takes, ignored by the fallback."""
+
+
+def npu_only_setting(kind: str, name: str) -> Optional[str]:
+    """What an NPU lowering makes of mode (``kind`` "mode") or option ``name``; None if none takes it."""
+    from npu_fuse_backend.lowering.npu import TORCH_COMPILE_MODES, TORCHAIR_MODES, TORCHAIR_OPTIONS
+    from npu_fuse_backend.lowering.npugraph_ex import LOWERING, NPUGRAPH_EX_OPTIONS
+
+    if kind == "mode":
+        if name == LOWERING:
+            return "npugraph_ex's aclgraph capture"
+        return "a torchair mode" if name in TORCHAIR_MODES or name in TORCH_COMPILE_MODES else None
+    owners = [owner for owner, names in (("torchair", TORCHAIR_OPTIONS), ("npugraph_ex", NPUGRAPH_EX_OPTIONS))
+              if name in names]
+    return f"a field of {' and '.join(owners)}'s CompilerConfig" if owners else None
+
+
+def split_npu_settings(mode: Optional[str], options: Optional[dict], takes_mode: Callable[[str], bool],
+                       takes_option: Callable[[str], bool]) -> tuple:
+    """(mode, options) left for the fallback, and a description of each NPU-only one it does not
+    take (dropped). A name no lowering takes stays, for the fallback's own check to refuse."""
+    ignored = []
+    if mode is not None and not takes_mode(mode) and npu_only_setting("mode", mode):
+        ignored.append(f"mode={mode!r} ({npu_only_setting('mode', mode)})")
+        mode = None
+    kept = {}
+    for key, value in (options or {}).items():
+        if not takes_option(key) and npu_only_setting("option", key):
+            ignored.append(f"options[{key!r}] ({npu_only_setting('option', key)})")
+        else:
+            kept[key] = value
+    return mode, kept, ignored
+
+
+def ignore_npu_settings(lowering: str, example_inputs, ignored: list) -> None:
+    """One warning naming every NPU-only setting the fallback ignores, and why it is the fallback
+    that compiles; an error under ``config.strict``."""
+    if not ignored:
+        return
+    from npu_fuse_backend import config
+    from npu_fuse_backend.lowering.npu import why_not_npu
+
+    message = (f"npu_fuse: {why_not_npu(example_inputs)}, so the fallback {lowering} compiles this graph and "
+               f"ignores what only an NPU lowering takes: {', '.join(ignored)}")
+    if config.strict:
+        raise ValueError(f"{message} (an error under config.strict)")
+    warnings.warn(message, NpuSettingIgnored, stacklevel=3)
+
+
+def _npu_names() -> list:
+    from npu_fuse_backend.lowering.npu import TORCHAIR_OPTIONS
+    from npu_fuse_backend.lowering.npugraph_ex import NPUGRAPH_EX_OPTIONS
+
+    return sorted(TORCHAIR_OPTIONS | NPUGRAPH_EX_OPTIONS)
 
 
 def inductor_config_patches(mode: Optional[str], options: Optional[dict]) -> dict:
@@ -193,18 +275,23 @@ def inductor_config_patches(mode: Optional[str], options: Optional[dict]) -> dic
     import torch._inductor
     from torch._inductor import config as inductor_config
 
+    from npu_fuse_backend.lowering.npu import TORCH_COMPILE_MODES, TORCHAIR_MODES
+
     modes = torch._inductor.list_mode_options()
     if mode is not None and mode not in modes:
-        raise ValueError(f"npu_fuse: mode={mode!r} is not an inductor mode; expected one of {sorted(modes)}")
+        npu_modes = sorted((set(TORCHAIR_MODES) | set(TORCH_COMPILE_MODES)) - set(modes))
+        raise ValueError(f"npu_fuse: mode={mode!r} is not an inductor mode; expected one of {sorted(modes)} "
+                         f"(or an NPU lowering's, ignored here: {npu_modes})")
     patches = dict(modes[mode or "default"])
     known = torch._inductor.list_options()
     for key, value in (options or {}).items():
         name = key.replace("-", "_")
         if name not in known:
-            close = difflib.get_close_matches(name, known, n=5)
+            close = difflib.get_close_matches(name, [*known, *_npu_names()], n=5)
             raise ValueError(f"npu_fuse: options[{key!r}] is not an inductor option"
                              f"{f' (did you mean {close}?)' if close else ''}; the options are "
-                             "torch._inductor.list_options(), documented in torch/_inductor/config.py")
+                             "torch._inductor.list_options(), documented in torch/_inductor/config.py, and the "
+                             "fields of torchair's and npugraph_ex's CompilerConfig (ignored here)")
         expected = inductor_config.get_type(name)
         plain_type = typing.get_origin(expected) is None and isinstance(expected, type)  # generics: unchecked
         if plain_type and not isinstance(value, expected):
@@ -217,29 +304,104 @@ def inductor_config_patches(mode: Optional[str], options: Optional[dict]) -> dic
 def compile_with_inductor(gm: GraphModule, example_inputs, graph_pass: GraphPass,
                           mode: Optional[str] = None, options: Optional[dict] = None):
     """Inductor with ``mode``/``options`` applied and our passes first among the
-    post-grad pre passes (a user's own, from inductor's config or ``options``, run after)."""
+    post-grad pre passes (a user's own, from inductor's config or ``options``, run after).
+    NPU-only modes and options are ignored, with a warning."""
+    import torch._inductor
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
+    modes, known = torch._inductor.list_mode_options(), set(torch._inductor.list_options())
+    mode, options, ignored = split_npu_settings(mode, options, modes.__contains__,
+                                                lambda key: key.replace("-", "_") in known)
     patches = inductor_config_patches(mode, options)
+    ignore_npu_settings("inductor", example_inputs, ignored)
     user_passes = get_custom_graph_passes(
         patches.get("post_grad_custom_pre_pass", inductor_config.post_grad_custom_pre_pass))
     patches["post_grad_custom_pre_pass"] = [FusionPrePass(graph_pass), *user_passes]
     # compile_fx applies the patches again around the backward, which compiles lazily
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    return compile_fx(gm, example_inputs, inner_compile=_reporting_inner_compile, config_patches=patches)
+
+
+def _reporting_inner_compile(*args, **kwargs):
+    """Inductor's compile of one graph (forward, lazy backward, inference), then the reports it
+    stashed or a cache hit replayed taken out of ``counters["inductor"]`` and published at once:
+    counters and reports agree after every compile, and no report is left in inductor's counters."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    from npu_fuse_backend.report import drain_cached_reports
+
+    try:
+        return compile_fx_inner(*args, **kwargs)
+    finally:
+        drain_cached_reports()
 
 
 def compile_with_aot_eager(gm: GraphModule, example_inputs, graph_pass: GraphPass,
                            mode: Optional[str] = None, options: Optional[dict] = None):
+    """aot_eager, which has nothing to configure: NPU-only modes and options are ignored with a
+    warning, any other is an error."""
+    mode, options, ignored = split_npu_settings(mode, options, lambda m: m == "default", lambda key: False)
     if mode not in (None, "default") or options:
         raise ValueError(f"npu_fuse: the aot_eager fallback has no compiler to configure, so it takes only the "
-                         f"default mode and no options (got mode={mode!r}, options={options!r}); "
-                         "use config.fallback='inductor' for inductor's modes and options")
+                         f"default mode and no options besides an NPU lowering's, which it ignores (got "
+                         f"mode={mode!r}, options={options!r}); use config.fallback='inductor' for inductor's "
+                         "modes and options")
+    ignore_npu_settings("aot_eager", example_inputs, ignored)
 
     def run_fused(aten_gm: GraphModule, inputs):
+        traced = output_layouts(aten_gm)
         graph_pass(aten_gm, "aot_eager")
+        keep_output_layouts(aten_gm, traced)
         return make_boxed_func(aten_gm.forward)
 
     backend = aot_autograd(fw_compiler=run_fused, bw_compiler=run_fused,
                            keep_inference_input_mutations=True)
     return backend(gm, example_inputs)
+
+
+def output_layouts(gm: GraphModule) -> list:
+    """Each graph output's dims in the order of its traced strides (None for a non-tensor)."""
+    (outputs,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
+    return [_dense_order(o.meta.get("val")) if isinstance(o, Node) else None for o in outputs]
+
+
+def keep_output_layouts(gm: GraphModule, traced: list) -> None:
+    """Lay every graph output whose layout the passes changed out as eager (and the traced graph)
+    does, so that user code viewing an output of the compiled call still can. aot_eager runs the
+    graph as it is (inductor restores output strides itself)."""
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    outputs = list(output.args[0])
+    changed = False
+    for i, (node, order) in enumerate(zip(outputs, traced)):
+        if not isinstance(node, Node) or order is None or _dense_order(node.meta.get("val")) == order:
+            continue
+        with gm.graph.inserting_before(output):
+            restrided = gm.graph.call_function(_in_dim_order, (node, order))
+        restrided.meta = dict(node.meta)
+        outputs[i] = restrided
+        changed = True
+    if changed:
+        output.args = (type(output.args[0])(outputs),)
+        gm.recompile()
+
+
+def _dense_order(value) -> Optional[list]:
+    """A tensor's dims from outermost to innermost (size-1 and broadcast dims left out)."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
+
+    def hint(x) -> int:
+        return x if isinstance(x, int) else guarding_hint_or_throw(x)
+
+    dims = [d for d in range(value.dim()) if hint(value.shape[d]) != 1 and hint(value.stride()[d]) != 0]
+    return sorted(dims, key=lambda d: -hint(value.stride()[d]))
+
+
+def _in_dim_order(tensor: torch.Tensor, order: list) -> torch.Tensor:
+    """tensor, copied (if needed) to a dense layout whose dims go outermost-first in ``order``."""
+    if _dense_order(tensor) == order:
+        return tensor
+    rest = [d for d in range(tensor.dim()) if d not in order]
+    permutation = rest + list(order)
+    return tensor.permute(permutation).contiguous().permute([permutation.index(d) for d in range(tensor.dim())])

@@ -10,7 +10,7 @@ Around them (``torchair_pre_pass``):
   so its fusions become near-misses naming the missing op and the compile goes on;
 - no copies of mutated graph inputs: in GE mode, a fused in-place op on a graph input is
   re-inplaced (``reinplace_graph_inputs``; the evidence is in
-  ``converters/inplace_partial_rotary_mul.py``).
+  ``converters/partial_rope.py``).
 
 ``torch.compile``'s ``mode`` picks torchair's mode and its ``options`` set fields of the
 ``CompilerConfig`` by dotted name (``"debug.run_eagerly"``), always on a copy of the
@@ -30,16 +30,57 @@ from typing import Any, Callable, Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from ..soc import resolve_soc, unknown_soc_reason
-from .registry import register_npu_kernels
+from npu_fuse_backend.soc import resolve_soc, unknown_soc_reason
+from npu_fuse_backend.lowering.registry import register_npu_kernels
 
 GE_MODE = "max-autotune"  # torchair's GE graph mode (reduce-overhead runs aclgraph, with eager kernels)
 
 
 # torch.compile's modes -> torchair's CompilerConfig.mode: GE graph mode ("max-autotune")
-# or aclgraph capture ("reduce-overhead"). torchair's own mode names are accepted as well.
+# or aclgraph capture ("reduce-overhead"). torchair's own mode names are accepted as well
+# ("npugraph_ex" goes to npugraph_ex itself: lowering/npugraph_ex.py).
 TORCH_COMPILE_MODES = {"default": "max-autotune", "max-autotune": "max-autotune",
                        "max-autotune-no-cudagraphs": "max-autotune", "reduce-overhead": "reduce-overhead"}
+
+
+# torchair's CompilerConfig fields by dotted name (torch_npu 2.13.0; ``mode`` is set through mode=),
+# what ``options=`` may set on this lowering; the fallback lowerings ignore them with a warning.
+# tests/test_configuration.py checks the list against the wheel's config (compiler_config_fields).
+TORCHAIR_OPTIONS = frozenset((
+    "aclgraph_config.use_custom_pool", "aoe_config.aoe_config_file", "aoe_config.aoe_mode",
+    "aoe_config.work_path", "debug.aclgraph.clone_input", "debug.aclgraph.disable_mempool_reuse_in_same_fx",
+    "debug.aclgraph.disable_reinplace_inplaceable_ops_pass",
+    "debug.aclgraph.disable_reinplace_input_mutated_ops_pass", "debug.aclgraph.enable_output_clone",
+    "debug.aclgraph.remove_cat_ops", "debug.aclgraph.static_capture_size_limit", "debug.data_dump.filter",
+    "debug.data_dump.path", "debug.data_dump.type", "debug.deadlock_check", "debug.fx_summary._path",
+    "debug.fx_summary.skip_compile", "debug.fx_summary.type", "debug.graph_dump.path", "debug.graph_dump.type",
+    "debug.run_eagerly", "dump_config.data_dump_stage", "dump_config.dump_config_path", "dump_config.dump_data",
+    "dump_config.dump_layer", "dump_config.dump_mode", "dump_config.dump_path", "dump_config.dump_step",
+    "dump_config.enable_dump", "dump_config.quant_dumpable",
+    "experimental_config.aclgraph._aclnn_static_shape_kernel",
+    "experimental_config.aclgraph._aclnn_static_shape_kernel_build_dir",
+    "experimental_config.aclgraph._aclnn_static_shape_kernel_sym_index",
+    "experimental_config.aclgraph._aclnn_static_shape_kernel_sym_value_range",
+    "experimental_config.aclgraph._super_kernel_debug_options",
+    "experimental_config.aclgraph._super_kernel_optimize",
+    "experimental_config.aclgraph._super_kernel_optimize_options",
+    "experimental_config.aot_config_enable_joint_graph", "experimental_config.aot_config_output_loss_index",
+    "experimental_config.cc_parallel_enable", "experimental_config.enable_ref_data",
+    "experimental_config.enable_view_optimize", "experimental_config.frozen_parameter",
+    "experimental_config.jit_compile", "experimental_config.keep_inference_input_mutations",
+    "experimental_config.memory_efficiency", "experimental_config.npu_fx_pass",
+    "experimental_config.pattern_fusion_pass", "experimental_config.remove_noop_ops",
+    "experimental_config.static_model_ops_lower_limit", "experimental_config.tiling_schedule_optimize",
+    "experimental_config.topology_sorting_strategy", "export.experimental.auto_atc_config_generated",
+    "export.experimental.enable_lite_export", "export.experimental.enable_record_nn_module_stack",
+    "export.export_mode", "export.export_name", "export.export_path_dir", "export.inputs_name",
+    "export.weight_name", "fusion_config.fusion_switch_file", "ge_config.aicore_num",
+    "ge_config.enable_single_stream", "ge_config.export_compile_stat", "ge_config.multistream_parallel_mode",
+    "ge_config.oo_constant_folding", "ge_config.oo_dead_code_elimination", "ge_config.oo_level",
+    "ge_config.optimization_switch", "inference_config.dynamic_gears_merge_policy",
+    "post_grad_custom_post_pass", "post_grad_custom_pre_pass",
+))
+TORCHAIR_MODES = ("max-autotune", "reduce-overhead", "npugraph_ex")  # CompilerConfig.mode's values
 
 
 def import_torchair():
@@ -66,9 +107,20 @@ def npu_usable(example_inputs) -> bool:
     return any(isinstance(t, torch.Tensor) and t.device.type == "npu" for t in example_inputs)
 
 
+def why_not_npu(example_inputs) -> str:
+    """Why a graph goes to the fallback lowering, in words."""
+    from npu_fuse_backend import config
+
+    if config.lowering == "fallback":
+        return "config.lowering='fallback'"
+    if "torch_npu" not in sys.modules:
+        return "no NPU found (torch_npu is not loaded)"
+    return "no NPU found (the graph's tensors are not on an NPU)"
+
+
 def load_converters() -> None:
     """Register every GE converter in ``converters/`` with torchair (idempotent)."""
-    from .. import converters
+    from npu_fuse_backend import converters
 
     for info in pkgutil.iter_modules(converters.__path__):
         importlib.import_module(f"{converters.__name__}.{info.name}")
@@ -78,7 +130,7 @@ def unsupported_ops(soc: str) -> dict:
     """{fused op name: why the torchair lowering cannot take it on ``soc`` with the installed CANN}."""
     from torchair.core import _torchair
 
-    from ..converters.common import GE_OPS
+    from npu_fuse_backend.converters.common import GE_OPS
 
     load_converters()
     reasons = {}
@@ -135,7 +187,7 @@ def reinplace_graph_inputs(gm: GraphModule) -> int:
     torchair's TensorMove copy of it never appears. Only where nothing else reads the input.
     Returns how many calls were re-inplaced.
     """
-    from ..converters.common import IN_PLACE_ON_GRAPH_INPUTS
+    from npu_fuse_backend.converters.common import IN_PLACE_ON_GRAPH_INPUTS
 
     graph = gm.graph
     count = 0
@@ -226,6 +278,19 @@ def configured_copy(torchair, compiler_config=None, mode: Optional[str] = None, 
     return cfg
 
 
+def install_pre_pass(cfg, fuse: Callable) -> None:
+    """``fuse`` first in the ``post_grad_custom_pre_pass`` of a torchair or npugraph_ex CompilerConfig
+    (a copy), the pass already there after it."""
+    user_pre_pass = cfg.post_grad_custom_pre_pass.value
+
+    def pre_pass(aten_gm: GraphModule, inputs, config):
+        fuse(aten_gm, inputs, config)
+        if user_pre_pass is not None:
+            user_pre_pass(aten_gm, inputs, config)
+
+    cfg.post_grad_custom_pre_pass = pre_pass
+
+
 def compile_with_torchair(gm: GraphModule, example_inputs, graph_pass: Callable[[GraphModule, str], Any],
                           compiler_config=None, custom_decompositions: Optional[dict] = None,
                           mode: Optional[str] = None, options: Optional[dict] = None):
@@ -235,14 +300,6 @@ def compile_with_torchair(gm: GraphModule, example_inputs, graph_pass: Callable[
     load_converters()
     if "torch_npu" in sys.modules:
         register_npu_kernels()
-    user_pre_pass = cfg.post_grad_custom_pre_pass.value
-    fuse = torchair_pre_pass(graph_pass)
-
-    def pre_pass(aten_gm: GraphModule, inputs, config):
-        fuse(aten_gm, inputs, config)
-        if user_pre_pass is not None:
-            user_pre_pass(aten_gm, inputs, config)
-
-    cfg.post_grad_custom_pre_pass = pre_pass
+    install_pre_pass(cfg, torchair_pre_pass(graph_pass))
     backend = torchair.get_npu_backend(compiler_config=cfg, custom_decompositions=custom_decompositions or {})
     return backend(gm, example_inputs)

@@ -11,7 +11,15 @@
 - ``@soc_limits(op)``: ``fn(soc, *args, **kwargs) -> reason or None``, the limits the
   op's NPU kernel has on a SoC ("generic": no SoC known), checked by the pass manager on
   every call a fusion inserts (fake arguments), so a rewrite the SoC cannot run is a
-  near-miss naming the limit. An unrecognised NPU is refused before ``fn`` is asked.
+  near-miss naming the limit. An unrecognised NPU, and a SoC where the op has no kernel
+  (``unavailable_on``), are refused before ``fn`` is asked.
+- ``unavailable_on(op, {soc: why})``: the SoCs where the op has no kernel at all, said once:
+  the pass manager refuses the op's fusions there and its converter declares no GE op there
+  (``converters/common.declare_ge_ops`` takes the reasons from here).
+
+Each op's argument checker (``check_<op>_args``, beside the op) is its one statement of its
+contract: its eager, fake and NPU kernels call it, and so every fused-op call a rewrite builds
+is checked by it (the builder runs the op's fake kernel), its error being the near-miss reason.
 
 Every module in ``lowering/ops`` is imported by :func:`load_ops`, so adding an op
 touches nothing here; the names in each module's ``__all__`` are its public entry
@@ -20,15 +28,16 @@ points, re-exported as ``npu_fuse.ops``.
 
 import importlib
 import pkgutil
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.utils._pytree as pytree
 
-from ..soc import unknown_soc_reason
+from npu_fuse_backend.soc import unknown_soc_reason
 
 DECOMPOSITIONS: dict = {}
-SOC_LIMITS: dict = {}
+SOC_LIMITS: dict = {}  # op -> fn(soc, *args, **kwargs) -> why the op cannot take the call on soc, or None
+UNAVAILABLE: dict = {}  # op -> {soc: why the op has no kernel there}
 _autograd_guards = torch.library.Library("npu_fuse", "FRAGMENT")
 _npu_kernels: list = []
 _npu_kernels_registered = False
@@ -45,12 +54,25 @@ def decomposition(op: torch._ops.OpOverload) -> Callable:
 def soc_limits(op: torch._ops.OpOverload) -> Callable:
     def register(fn: Callable) -> Callable:
         def checked(soc: str, *args, **kwargs):
-            return unknown_soc_reason(soc) or fn(soc, *args, **kwargs)
+            return unknown_soc_reason(soc) or UNAVAILABLE.get(op, {}).get(soc) or fn(soc, *args, **kwargs)
 
         SOC_LIMITS[op] = checked
         return fn
 
     return register
+
+
+def unavailable_on(op: torch._ops.OpOverload, why: dict[str, str]) -> None:
+    UNAVAILABLE[op] = dict(why)
+
+
+def soc_refusal(op: torch._ops.OpOverload, soc: str, *args, **kwargs) -> Optional[str]:
+    """Why the op cannot take this call (fake arguments) on soc: an unrecognised NPU, a SoC without
+    its kernel, or its limits there; None when it can. Every fused op is asked, with limits or not."""
+    limits = SOC_LIMITS.get(op)
+    if limits is not None:
+        return limits(soc, *args, **kwargs)
+    return unknown_soc_reason(soc) or UNAVAILABLE.get(op, {}).get(soc)
 
 
 def refuse_autograd(name: str, why: str) -> None:
@@ -78,7 +100,7 @@ def npu_kernel(op) -> Callable:
 
 
 def _op_modules() -> list:
-    from . import ops
+    from npu_fuse_backend.lowering import ops
 
     return [importlib.import_module(f"{ops.__name__}.{info.name}") for info in pkgutil.iter_modules(ops.__path__)]
 
@@ -100,3 +122,8 @@ def register_npu_kernels() -> None:
     for op, fn in _npu_kernels:
         op.register_kernel("npu", fn)
     _npu_kernels_registered = True
+
+
+def ops_with_npu_kernels() -> set:
+    """Qualified names ("npu_fuse::rotary_mul") of the fused ops that have an eager NPU kernel."""
+    return {op._qualname for op, _ in _npu_kernels}

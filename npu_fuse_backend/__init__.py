@@ -8,16 +8,24 @@ prologue into Ascend NPU ops, with a fallback lowering everywhere else.
 
 __version__ = "0.2.0"
 
-from . import lowering  # noqa: F401  (defines the npu_fuse:: ops)
+import importlib.util as _importlib_util
+
+if _importlib_util.find_spec(f"{__name__}.lowering") is None:  # else: a misleading "circular import"
+    raise ImportError(
+        f"{__name__}.lowering is not installed: the repository's lowering/ and converters/ folders become "
+        f"{__name__}.lowering and {__name__}.converters only when the project is installed (setup.cfg "
+        "package_dir). Run `pip install -e .` (or `make .venv/.installed`) in the checkout instead of "
+        "importing it from its folder.")
+
+from . import lowering  # noqa: E402, F401  (defines the npu_fuse:: ops)
 from . import config
-from .backend import get_npu_backend, npu_fuse_backend, run_fusion_passes
+from .backend import get_npu_backend, get_npugraph_ex_backend, npu_fuse_backend, run_fusion_passes
+from .lowering.npugraph_ex import npugraph_ex_pre_pass
 from .fusion import FusionPass, Rewrite, register_fusion
 from .report import GraphReport, Match, NearMiss, clear_reports, get_reports
 
-# torch.compiler.reset() calls the reset() of each backend compiled with since the last reset
-npu_fuse_backend.reset = clear_reports
-
 __all__ = [
     "__version__", "FusionPass", "GraphReport", "Match", "NearMiss", "Rewrite", "clear_reports", "config",
-    "get_npu_backend", "get_reports", "npu_fuse_backend", "register_fusion", "run_fusion_passes",
+    "get_npu_backend", "get_npugraph_ex_backend", "get_reports", "npu_fuse_backend", "npugraph_ex_pre_pass",
+    "register_fusion", "run_fusion_passes",
 ]

@@ -16,7 +16,8 @@ import linecache
 import os
 import runpy
 import sys
-from typing import Callable
+import traceback
+from typing import Callable, Optional
 
 import torch
 
@@ -62,14 +63,27 @@ def _results(fn, calls: list, training: bool) -> list:
         return [fn(*args) for args in calls]
 
 
-WIDTHS = (26, 64, 11, 10, 8, 14, 14, 14)
+WIDTHS = (26, 64, 11, 10, 8, 14, 14, 14)  # the model column grows to the longest name
 
 
-def _row(cells, out) -> None:
-    print("  ".join(str(c).ljust(w) for c, w in zip(cells, WIDTHS)).rstrip(), file=out, flush=True)
+def _row(cells, widths, out) -> None:
+    print("  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip(), file=out, flush=True)
 
 
-def run_demo(dtype: torch.dtype, repeat: int, layers: int, seq: int, rounds: int = 5, out=None) -> list:
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _case_name(case, dtype: torch.dtype) -> str:
+    return case.name + ("" if (case.dtype or dtype) == dtype else f" ({_dtype_name(case.dtype)})")
+
+
+def progress(message: str, err=None) -> None:
+    """A progress line on stderr: long compiles say what they are doing, stdout stays the result."""
+    print(message, file=err or sys.stderr, flush=True)
+
+
+def run_demo(dtype: torch.dtype, repeat: int, layers: int, seq: int, rounds: int = 5, out=None, err=None) -> list:
     """Compile every demo case, print its row as soon as it is measured; returns the rows."""
     out = out or sys.stdout
     import npu_fuse_backend as nf
@@ -77,16 +91,19 @@ def run_demo(dtype: torch.dtype, repeat: int, layers: int, seq: int, rounds: int
     from npu_fuse_backend.demo_models import clone_calls, demo_cases
 
     baseline = config.fallback  # the same lowering without our passes
-    print(f"npu_fuse demo ({str(dtype).replace('torch.', '')}, CPU tensors: lowering = fallback {baseline}, "
+    cases = demo_cases(layers=layers, seq=seq, training=True)
+    widths = (max(WIDTHS[0], *(len(_case_name(c, dtype)) for c in cases)), *WIDTHS[1:])
+    print(f"npu_fuse demo ({_dtype_name(dtype)}, CPU tensors: lowering = fallback {baseline}, "
           f"torch {torch.__version__}; latency: median ±IQR/2 over {rounds} interleaved rounds of {repeat})",
           file=out, flush=True)
     _row(["model", "fused ops", "near-misses", "max |diff|", "verdict", "eager ms", f"{baseline} ms", "npu_fuse ms"],
-         out)
-    _row(["-" * w for w in WIDTHS], out)
+         widths, out)
+    _row(["-" * w for w in widths], widths, out)
     rows = []
-    for case in demo_cases(layers=layers, seq=seq, training=True):
+    for case in cases:
         torch.manual_seed(0)
         case_dtype = case.dtype or dtype
+        progress(f"compiling {case.name} (npu_fuse on {baseline})...", err)
         model = case.make().to(case_dtype)
         model.train(case.training)
         steps = case.inputs(case_dtype)  # one call, or a few decode steps sharing a cache
@@ -104,6 +121,7 @@ def run_demo(dtype: torch.dtype, repeat: int, layers: int, seq: int, rounds: int
             near_misses += len(report.near_misses)
         worst, ok = _within(got, expected, case_dtype)
         torch._dynamo.reset()
+        progress(f"compiling {case.name} ({baseline} alone) and timing it...", err)
         plain = torch.compile(model, backend=baseline)
         last = clone_calls(steps[-1:])[0]
         fns = {"eager": run(model), baseline: run(plain), "npu_fuse": run(fused)}
@@ -112,7 +130,7 @@ def run_demo(dtype: torch.dtype, repeat: int, layers: int, seq: int, rounds: int
                 fn(*last)  # warm-up (and compile)
             latency = interleaved_latency({k: (lambda f=f: f(*last)) for k, f in fns.items()}, rounds, repeat)
         row = {
-            "model": case.name + ("" if case_dtype == dtype else f" ({str(case_dtype).replace('torch.', '')})"),
+            "model": _case_name(case, dtype),
             "fused": ", ".join(f"{op} x{n}" for op, n in sorted(counts.items())) or "-",
             "near_misses": near_misses,
             "max_abs_diff": worst,
@@ -122,45 +140,99 @@ def run_demo(dtype: torch.dtype, repeat: int, layers: int, seq: int, rounds: int
         }
         rows.append(row)
         _row([row["model"], row["fused"], row["near_misses"], f"{worst:.3g}", row["verdict"],
-              latency["eager"], latency[baseline], latency["npu_fuse"]], out)
+              latency["eager"], latency[baseline], latency["npu_fuse"]], widths, out)
     return rows
 
 
 # -- explain ---------------------------------------------------------------------------------------
+class TargetError(Exception):
+    """A target explain cannot run, in one line; ``status`` is the exit status (2: a usage error)."""
+
+    def __init__(self, message: str, status: int = 2, raised: Optional[BaseException] = None):
+        super().__init__(message)
+        self.status, self.raised = status, raised  # raised: the target's own exception, if it raised
+
+
+def _outside_our_code(frame) -> bool:
+    import npu_fuse_backend
+
+    ours = [os.path.dirname(torch.__file__), os.path.dirname(npu_fuse_backend.__file__),
+            os.path.dirname(os.__file__)]  # torch, npu_fuse, the standard library
+    return not any(os.path.abspath(frame.filename).startswith(d + os.sep) for d in ours)
+
+
+def _raised(what: str, exc: BaseException) -> TargetError:
+    """The target's own exception in one line: type, first line of its message, and the last frame of
+    the user's code it passed through."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _outside_our_code(f)]
+    where = f" at {_short(f'{frames[-1].filename}:{frames[-1].lineno}')}" if frames else ""
+    message = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return TargetError(f"{what} raised {type(exc).__name__}{': ' + message if message else ''}{where} "
+                       "(--traceback shows all of it)", status=1, raised=exc)
+
+
 def _load_factory(target: str) -> Callable:
     module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise TargetError(f"TARGET must be a script (path/to/script.py) or module:callable, got {target!r}")
     sys.path.insert(0, os.getcwd())
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise TargetError(f"no module named {exc.name!r} (from TARGET {target!r}; the module must be importable "
+                              "from the current directory or sys.path)") from None
+        raise _raised(f"importing {module_name}", exc) from None
+    except Exception as exc:
+        raise _raised(f"importing {module_name}", exc) from None
     factory = module
     for name in attr.split("."):
+        if not hasattr(factory, name):
+            raise TargetError(f"{module_name} has no attribute {attr!r} (TARGET {target!r})")
         factory = getattr(factory, name)
+    if not callable(factory):
+        raise TargetError(f"{target} is not callable ({type(factory).__name__}); it must be a callable returning "
+                          "(model, inputs)")
     return factory
 
 
-def _run_factory(target: str, training: bool) -> None:
+def _run_factory(target: str, factory: Callable, training: bool) -> None:
     """``module:callable``: callable() returns (model, inputs), inputs a tuple of positional
     arguments or a dict of keyword arguments; the model is compiled with npu_fuse and run once
     (with ``training``: train mode, and a backward of the sum of its floating outputs)."""
-    made = _load_factory(target)()
-    if not (isinstance(made, (tuple, list)) and len(made) == 2 and callable(made[0])):
-        raise SystemExit(f"npu-fuse explain: {target} must return (model, inputs), got {type(made).__name__}")
+    try:
+        made = factory()
+    except Exception as exc:
+        raise _raised(f"{target}()", exc) from None
+    if not (isinstance(made, (tuple, list)) and len(made) == 2 and callable(made[0])
+            and isinstance(made[1], (tuple, list, dict))):
+        got = type(made).__name__ if not isinstance(made, (tuple, list)) else \
+            f"({', '.join(type(m).__name__ for m in made)})"
+        raise TargetError(f"{target} must return (model, inputs) with inputs a tuple of arguments or a dict of "
+                          f"keyword arguments, got {got}")
     model, inputs = made
     args, kwargs = ((), dict(inputs)) if isinstance(inputs, dict) else (tuple(inputs), {})
     if isinstance(model, torch.nn.Module):
         model.train(training)
     compiled = torch.compile(model, backend="npu_fuse")
-    with torch.set_grad_enabled(training):
-        out = compiled(*args, **kwargs)
-        if training:
+    try:
+        with torch.set_grad_enabled(training):
+            out = compiled(*args, **kwargs)
             leaves = [t for t in torch.utils._pytree.tree_leaves(out)
                       if isinstance(t, torch.Tensor) and t.requires_grad]
-            if not leaves:
-                raise SystemExit("npu-fuse explain --training: the model's outputs do not require grad")
-            sum(t.float().sum() for t in leaves).backward()
+            if training and not leaves:
+                raise TargetError("--training: the model's outputs do not require grad")
+            if training:
+                sum(t.float().sum() for t in leaves).backward()
+    except TargetError:
+        raise
+    except Exception as exc:
+        raise _raised(f"running {target}'s model under npu_fuse", exc) from None
 
 
-def _run_script(path: str, argv: list) -> None:
-    """Run a script as ``__main__`` with every ``torch.compile`` call using the npu_fuse backend."""
+def _run_script(path: str, argv: list) -> int:
+    """Run a script as ``__main__`` with every ``torch.compile`` call using the npu_fuse backend;
+    returns its exit status."""
     original = torch.compile
 
     def compile_with_npu_fuse(model=None, *args, backend=None, **kwargs):
@@ -172,8 +244,13 @@ def _run_script(path: str, argv: list) -> None:
     torch.compile = compile_with_npu_fuse
     try:
         runpy.run_path(path, run_name="__main__")
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except Exception as exc:
+        raise _raised(path, exc) from None
     finally:
         torch.compile, sys.argv, sys.path[:] = original, saved_argv, saved_path
+    return 0
 
 
 def _code_at(source: str) -> str:
@@ -226,27 +303,50 @@ def print_explanation(reports: list, out=None) -> None:
             print(f"  pass error: {error}", file=out)
 
 
-def explain(target: str, argv: list, training: bool, as_json: bool, out=None) -> int:
+def _lowering_in_words() -> str:
+    from npu_fuse_backend import config
+
+    if config.lowering == "npu":
+        return "lowering torchair"
+    if config.lowering == "fallback" or "torch_npu" not in sys.modules:
+        return f"lowering {config.fallback}: no NPU" if config.lowering == "auto" else f"lowering {config.fallback}"
+    return f"lowering torchair for NPU tensors, else {config.fallback}"
+
+
+def explain(target: str, argv: list, training: bool, as_json: bool, out=None, err=None) -> int:
+    """Run the target under npu_fuse and print what fused where; returns the exit status (the
+    script's own, if it exits with one). A target that cannot run raises :class:`TargetError`."""
+    import time
+
     out = out or sys.stdout
     from .report import collect
 
     is_script = target.endswith(".py") or os.path.isfile(target)
     if is_script and not os.path.isfile(target):
-        raise SystemExit(f"npu-fuse explain: no such script: {target}")
+        raise TargetError(f"no such script: {target}")
     if not is_script and ":" not in target:
-        raise SystemExit(f"npu-fuse explain: TARGET must be a script (path/to/script.py) or module:callable, "
-                         f"got {target!r}")
+        raise TargetError(f"TARGET must be a script (path/to/script.py) or module:callable, got {target!r}")
+    if not is_script and argv:
+        raise TargetError(f"a module:callable target takes no arguments, got {' '.join(argv)}")
+    if is_script and training:
+        raise TargetError("--training is for a module:callable target; a script trains as it is written")
+    factory = None if is_script else _load_factory(target)
+    progress(f"npu-fuse explain: running {target} under npu_fuse ({_lowering_in_words()}); "
+             "compiles can take minutes on a CPU...", err)
+    start = time.perf_counter()
+    status = 0
     with collect() as reports:  # kept even if the script resets Dynamo between compiles
         if is_script:
-            _run_script(target, argv)
+            status = _run_script(target, argv)
         else:
-            _run_factory(target, training)
+            _run_factory(target, factory, training)
+    progress(f"npu-fuse explain: {len(reports)} graph(s) compiled in {time.perf_counter() - start:.1f} s", err)
     if as_json:
         json.dump({"target": target, "graphs": explain_records(reports)}, out, indent=2)
         print(file=out)
     else:
         print_explanation(reports, out)
-    return 0
+    return status
 
 
 # -- arguments ----------------------------------------------------------------------------------------
@@ -262,6 +362,8 @@ def _at_least(minimum: int) -> Callable[[str], int]:
 
 
 def main(argv=None) -> int:
+    from npu_fuse_backend.soc import KNOWN_SOCS
+
     parser = argparse.ArgumentParser(prog="npu-fuse", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"npu-fuse {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -275,18 +377,32 @@ def main(argv=None) -> int:
                       help="lowering without an NPU (default: config.fallback)")
     exp = sub.add_parser(
         "explain", help="run a script or model factory under npu_fuse and say, per site, what fused or why not",
+        usage="npu-fuse explain [options] TARGET [options] [-- TARGET_ARGS...]",
         description="TARGET is a script (path/to/script.py, run as __main__ with every torch.compile using "
-                    "the npu_fuse backend; arguments after it are the script's) or module:callable, a factory "
-                    "returning (model, inputs) with inputs a tuple of positional arguments or a dict of keyword "
-                    "arguments, compiled with npu_fuse and called once.")
+                    "the npu_fuse backend) or module:callable, a factory returning (model, inputs) with inputs a "
+                    "tuple of positional arguments or a dict of keyword arguments, compiled with npu_fuse and "
+                    "called once. explain's options go before or after TARGET; a script's own arguments go "
+                    "after --.")
     exp.add_argument("target", metavar="TARGET")
-    exp.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
-    exp.add_argument("--json", action="store_true", help="machine-readable output")
+    exp.add_argument("--json", action="store_true", help="machine-readable output (progress lines go to stderr)")
     exp.add_argument("--training", action="store_true", help="module:callable only: a forward and backward step")
     exp.add_argument("--fallback", choices=("inductor", "aot_eager"), default=None,
                      help="lowering without an NPU (default: config.fallback)")
-    exp.add_argument("--soc", default=None, help="target SoC whose limits apply (default: config.soc)")
-    args = parser.parse_args(argv)
+    exp.add_argument("--soc", choices=("auto", *KNOWN_SOCS), default=None,
+                     help="target SoC whose limits apply (default: config.soc)")
+    exp.add_argument("--traceback", action="store_true", help="on an error in the target, its whole traceback")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    target_args = []
+    if "--" in argv:  # the target's own arguments, passed on untouched
+        split = argv.index("--")
+        argv, target_args = argv[:split], argv[split + 1:]
+    args, unknown = parser.parse_known_args(argv)
+    if args.command == "demo" and (unknown or target_args):
+        demo.error(f"unrecognized arguments: {' '.join([*unknown, *target_args])}")
+    if args.command == "explain" and unknown:
+        hint = f" (a script's own arguments go after --: npu-fuse explain {args.target} -- {' '.join(unknown)})" \
+            if args.target.endswith(".py") else ""
+        exp.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     from npu_fuse_backend import config
 
     patches = {"fallback": args.fallback} if args.fallback else {}
@@ -296,7 +412,13 @@ def main(argv=None) -> int:
         if args.command == "demo":
             run_demo(DTYPES[args.dtype], args.repeat, args.layers, args.seq, args.rounds)
             return 0
-        return explain(args.target, args.args, args.training, args.json)
+        try:
+            return explain(args.target, target_args, args.training, args.json)
+        except TargetError as error:
+            if args.traceback and error.raised is not None:
+                traceback.print_exception(error.raised)
+            print(f"npu-fuse explain: {error}", file=sys.stderr)
+            return error.status
 
 
 if __name__ == "__main__":

@@ -230,6 +230,26 @@ class NeoXModel(nn.Module):
         return x
 
 
+# -- a soft mixture of experts: a softmax router outside attention -----------------------
+class SoftMoE(nn.Module):
+    """Every token mixes the outputs of all experts, weighted by a softmax over the router's
+    logits scaled by 1/temperature (a softmax backward outside attention, which inductor's
+    attention patterns leave to us)."""
+
+    def __init__(self, hidden: int = 256, experts: int = 4, layers: int = 1, temperature: float = 0.5):
+        super().__init__()
+        self.routers = nn.ModuleList(nn.Linear(hidden, experts, bias=False) for _ in range(layers))
+        self.experts = nn.ParameterList(nn.Parameter(torch.randn(experts, hidden, hidden) * hidden ** -0.5)
+                                        for _ in range(layers))
+        self.scale = 1.0 / temperature
+
+    def forward(self, x, position_ids=None):
+        for router, experts in zip(self.routers, self.experts):
+            weights = torch.softmax(router(x) * self.scale, dim=-1)  # [B, S, E]
+            x = x + torch.einsum("bse,bsek->bsk", weights, torch.einsum("bsh,ehk->bsek", x, experts))
+        return x
+
+
 # -- DeepSeek MLA as serving engines write it: absorbed W_UK, paged KV cache ------------
 @dataclasses.dataclass
 class MLAConfig:
@@ -413,4 +433,6 @@ def demo_cases(layers: int = 1, seq: int = 64, training: bool = False) -> list:
     if training:  # RoPE backward and softmax backward
         cases.insert(1, DemoCase("llama-train", lambda: LlamaModel(DecoderConfig(layers=layers)),
                                  _hidden_and_positions(seq=seq), training=True))
+        cases.insert(2, DemoCase("softmoe-train", lambda: SoftMoE(layers=layers), _hidden_and_positions(seq=seq),
+                                 training=True))
     return cases

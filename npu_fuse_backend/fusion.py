@@ -10,14 +10,16 @@ The :class:`PassManager` canonicalizes the graph, runs the passes in their decla
 order, applies each pass's rewrites through a journal and checks each rewrite before it
 stays: a fused-op call the lowering cannot convert, or whose arguments break that op's
 argument checks or its limits on the target SoC; a replacement whose strides differ where
-a later view reads them; and (``config.translation_validation``, ``validate.py``) a
+a later view reads them; and (``translation_validation``, ``validate.py``) a
 replacement that computes something else than the subgraph on random inputs. A failed
 check undoes that rewrite and becomes a near-miss. A pass that fails half-way leaves the
-graph exactly as it found it, with a warning (or an exception under ``config.strict``).
+graph exactly as it found it, with a warning (or an exception under ``strict``).
 
-New passes register themselves with :func:`register_fusion`; every module in
-``npu_fuse_backend/passes`` is imported on first use and ``runs_before`` orders them, so
-adding a fusion touches nothing here.
+Passes register themselves with :func:`register_fusion`; every module in
+``npu_fuse_backend/passes`` is imported on first use. The built-in passes run in the order
+of :data:`PASS_ORDER`, the one list that says it (adding a family adds one line there); a
+pass registered from outside the package runs after all of them, in registration order,
+unless it names a pass it must run before (``runs_before``).
 """
 
 import dataclasses
@@ -35,9 +37,9 @@ from torch.fx import Graph, GraphModule, Node
 from . import config
 from .canonicalize import canonicalize
 from .graph_utils import is_input_view, shape_eq, size_eq
-from .lowering.registry import SOC_LIMITS
+from npu_fuse_backend.lowering.registry import soc_refusal
 from .report import GraphReport, Match, NearMiss, graph_frame, involved, log_graph, new_report, publish, where
-from .soc import resolve_soc
+from .soc import KNOWN_SOCS, resolve_soc
 from .validate import check_rewrite
 
 log = logging.getLogger("npu_fuse")
@@ -81,11 +83,26 @@ class FusionError(RuntimeError):
 
 class NotFused(Exception):
     """Raised by :meth:`FusionPass.match`: the candidate looks like the pattern but breaks
-    the rule named in the message, so it is not fused (a near-miss)."""
+    the rule named in the message, so it is not fused (a near-miss). ``near``: nodes that say
+    where it is in the user's code when the anchor carries no trace (a node a compiler made)."""
+
+    def __init__(self, reason: str, near: Iterable[Node] = ()):
+        super().__init__(reason)
+        self.near = tuple(near)
 
 
 class ArgumentsRefused(Exception):
     """A fused op's argument check refused the call a rewrite was building (a near-miss)."""
+
+
+def check_op_args(check: Callable, *args, **kwargs) -> None:
+    """Run a fused op's own argument checker on the (fake) arguments a rewrite would give it; its
+    ValueError, naming the rule, becomes the near-miss. A pass restates no rule of its op: it asks
+    the op (and the builder asks it again on every call it emits, see :class:`GraphBuilder`)."""
+    try:
+        check(*args, **kwargs)
+    except ValueError as refused:
+        raise NotFused(str(refused)) from None
 
 
 @dataclasses.dataclass
@@ -107,8 +124,40 @@ class PassContext:
         return self._positions[node]
 
 
-class GraphBuilder:
+class _Emitter:
+    """What :class:`GraphBuilder` and :class:`FakeValues` share: the helpers built on ``call``."""
+
+    def call(self, target: Callable, *args, **kwargs) -> Any:
+        raise NotImplementedError
+
+    def unsqueeze_to(self, node: Any, rank: int) -> Any:
+        """node with leading unit dims added up to ``rank`` dims."""
+        while _fake(node).dim() < rank:
+            node = self.call(torch.ops.aten.unsqueeze.default, node, 0)
+        return node
+
+    def lifted(self, node: Any, rank: int, dims: tuple) -> Any:
+        """node, broadcast right-aligned against a rank-``rank`` tensor, given that tensor's rank
+        and then unit dims at ``dims`` (as a fused op that takes 4-D needs x lifted)."""
+        node = self.unsqueeze_to(node, rank)
+        for dim in dims:
+            node = self.call(torch.ops.aten.unsqueeze.default, node, dim)
+        return node
+
+    def cast(self, node: Any, dtype: torch.dtype) -> Any:
+        """node in dtype (node itself when it already is)."""
+        return node if _fake(node).dtype == dtype else self.call(torch.ops.aten._to_copy.default, node, dtype=dtype)
+
+
+def _fake(value: Any) -> Any:
+    return value.meta["val"] if isinstance(value, Node) else value
+
+
+class GraphBuilder(_Emitter):
     """Emits replacement nodes before an anchor and gives each one ``meta["val"]``.
+
+    A fused-op call runs the op's fake kernel, and so its argument checker: a refusal undoes
+    the rewrite and is the near-miss reason (:class:`ArgumentsRefused`).
 
     Arguments that are nodes already replaced by an earlier rewrite of the same
     pass are mapped to their replacements, so chained matches stay consistent.
@@ -139,24 +188,19 @@ class GraphBuilder:
             raise
         return node
 
-    def unsqueeze_to(self, node: Node, rank: int) -> Node:
-        """node with leading unit dims added up to ``rank`` dims."""
-        while node.meta["val"].dim() < rank:
-            node = self.call(torch.ops.aten.unsqueeze.default, node, 0)
-        return node
 
-    def lifted(self, node: Node, rank: int, dims: tuple) -> Node:
-        """node, broadcast right-aligned against a rank-``rank`` tensor, given that tensor's rank
-        and then unit dims at ``dims`` (as a fused op that takes 4-D needs x lifted)."""
-        node = self.unsqueeze_to(node, rank)
-        for dim in dims:
-            node = self.call(torch.ops.aten.unsqueeze.default, node, dim)
-        return node
+class FakeValues(_Emitter):
+    """The fake values of what a :class:`GraphBuilder` would emit, and nothing emitted: a pass that
+    builds a fused op's arguments with ``b.call`` (and its helpers) can compute them at match time
+    with this (to ask the op about them, :func:`check_op_args`) and build them later with the same code."""
 
-    def cast(self, node: Node, dtype: torch.dtype) -> Node:
-        """node in dtype (node itself when it already is)."""
-        return node if node.meta["val"].dtype == dtype else self.call(torch.ops.aten._to_copy.default, node,
-                                                                         dtype=dtype)
+    def __init__(self, fake_mode: Any):
+        self.fake_mode = fake_mode
+
+    def call(self, target: Callable, *args, **kwargs) -> Any:
+        args, kwargs = torch.fx.map_arg((args, kwargs), lambda n: n.meta["val"])
+        with self.fake_mode:
+            return target(*args, **kwargs)
 
 
 @dataclasses.dataclass
@@ -180,10 +224,11 @@ class Rewrite:
 class FusionPass:
     """One family of subgraphs and the fused op that replaces them."""
 
-    name: str = ""  # the name used by config.disabled_fusions
-    family: str = ""  # the family named in the report
+    name: str = ""  # the family: its name in the report and in config.disabled_fusions
     anchor_targets: tuple = ()  # the ops a match is rooted at (see ``anchors``)
-    runs_before: tuple[str, ...] = ()  # passes that must run after this one (it claims larger subgraphs)
+    # for a pass registered from outside the package: the passes it must run before (it claims
+    # larger subgraphs than they do); without any it runs after every built-in pass
+    runs_before: Union[str, tuple[str, ...]] = ()
 
     def anchors(self, ctx: PassContext) -> Iterable[Node]:
         """The nodes ``match`` looks at: by default every call of an ``anchor_targets`` op."""
@@ -194,6 +239,19 @@ class FusionPass:
         raises NotFused(reason) when it is the pattern but breaks a rule."""
         raise NotImplementedError
 
+
+# The order the built-in passes run in: each claims subgraphs that contain what later ones match.
+PASS_ORDER = (
+    "mla_preprocess",  # the whole DeepSeek MLA prologue, with the RoPE sites inside it
+    "partial_rope",  # RoPE of a slice of the head dim, before rope takes the slice's rotation alone
+    "interleave_rope",  # DeepSeek's de-interleave + half rotation, before rope takes the rotation alone
+    "rope",
+    "rope_vllm",  # vLLM's _C.rotary_embedding op -> rope's ops
+    "softmax_grad",
+    "rms_norm",  # after mla_preprocess, whose prologue holds RMSNorms
+)
+# old fusion names still accepted by config.disabled_fusions, with a DeprecationWarning
+RENAMED_FUSIONS = {"rope_interleave": "interleave_rope"}
 
 _registry: dict[str, type] = {}
 _discovered = False
@@ -219,23 +277,92 @@ def registered_fusions() -> dict[str, type]:
 
 
 def ordered(fusions: dict[str, type]) -> list[type]:
-    """The passes in an order that honours every ``runs_before`` (ties by name, so the
-    order never depends on import order)."""
-    after = {name: set() for name in fusions}  # name -> passes that must run before it
-    for name, cls in fusions.items():
-        for later in cls.runs_before:
-            if later in after:
-                after[later].add(name)
-    result: list[type] = []
-    while after:
-        ready = sorted(name for name, before in after.items() if not before)
-        if not ready:
-            raise ValueError(f"fusion passes {sorted(after)} have cyclic runs_before constraints")
-        result.append(fusions[ready[0]])
-        del after[ready[0]]
-        for before in after.values():
-            before.discard(ready[0])
+    """The passes in the order they run: the built-in ones as :data:`PASS_ORDER` lists them, then
+    the others in registration order, each moved just before the first pass its ``runs_before``
+    names."""
+    builtin = [name for name in fusions if _is_builtin(fusions[name])]
+    unlisted = [name for name in builtin if name not in PASS_ORDER]
+    if unlisted:
+        raise ValueError(f"built-in fusion pass(es) {unlisted} missing from fusion.PASS_ORDER")
+    order = [name for name in PASS_ORDER if name in fusions]
+    pending = [name for name in fusions if name not in order]
+    order += [name for name in pending if not _runs_before(fusions[name])]
+    pending = [name for name in pending if name not in order]
+    while pending:
+        placed = []
+        for name in pending:
+            later = _runs_before(fusions[name])
+            unknown = [n for n in later if n not in fusions]
+            if unknown:
+                raise ValueError(f"fusion pass {name!r} runs before {unknown}, which no registered fusion is "
+                                 f"named; registered fusions: {sorted(fusions)}")
+            if all(n in order for n in later):
+                order.insert(min(order.index(n) for n in later), name)
+                placed.append(name)
+        if not placed:
+            raise ValueError(f"fusion passes {sorted(pending)} have cyclic runs_before constraints")
+        pending = [name for name in pending if name not in placed]
+    return [fusions[name] for name in order]
+
+
+def _is_builtin(cls: type) -> bool:
+    return cls.__module__.startswith(f"{__package__}.passes.")
+
+
+def _runs_before(cls: type) -> tuple:
+    later = cls.runs_before
+    return (later,) if isinstance(later, str) else tuple(later)
+
+
+def canonical_fusion_names(names: Iterable[str]) -> list[str]:
+    """names with each renamed fusion's old name replaced by its new one (a DeprecationWarning each)."""
+    result = []
+    for name in names:
+        if name in RENAMED_FUSIONS:
+            new = RENAMED_FUSIONS[name]
+            warnings.warn(f"npu_fuse: fusion name {name!r} is deprecated; use {new!r}", DeprecationWarning,
+                          stacklevel=3)
+            name = new
+        result.append(name)
     return result
+
+
+def check_config() -> None:
+    """Check every knob (``config.validate``, and here those whose values the package defines: the
+    SoCs, the registered fusions); each error names the knob, the value and what is allowed."""
+    config.validate()
+    config.require_one_of("soc", config.soc, ("auto", *KNOWN_SOCS))
+    disabled = config.disabled_fusions
+    known = sorted(registered_fusions())
+    if not isinstance(disabled, (list, tuple, set, frozenset)):
+        example = [n.strip() for n in disabled.split(",")] if isinstance(disabled, str) else known[:1]
+        raise ValueError(f"{config.knob('disabled_fusions', disabled)}: must be a list of fusion names "
+                         f"(e.g. {example}), not a {type(disabled).__name__}; registered fusions: {known}")
+    unknown = [name for name in canonical_fusion_names(disabled) if name not in known]
+    if unknown:
+        raise ValueError(f"{config.knob('disabled_fusions', disabled)}: unknown fusion name(s) {unknown}; "
+                         f"registered fusions: {known}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionSettings:
+    """The config values a :class:`PassManager` runs with, taken once: a snapshot, so a
+    ``config.patch`` that ends (or begins) later does not change them. Take one with
+    :meth:`from_config` where a compile starts and pass it to every graph of that compile."""
+
+    soc: str = "auto"  # config.soc: "auto" (the NPU's own, else "generic"), "generic" or a named SoC
+    disabled_fusions: frozenset = frozenset()  # fusion names (current ones; old names are mapped)
+    strict: bool = False  # raise instead of warning when a pass fails internally
+    translation_validation: bool = True  # check every rewrite on random inputs (validate.py)
+    keep_unvalidated_rewrites: bool = False  # keep (with a warning) rewrites validation cannot afford
+
+    @classmethod
+    def from_config(cls) -> "FusionSettings":
+        """The current config, checked (:func:`check_config`)."""
+        check_config()
+        return cls(soc=config.soc, disabled_fusions=frozenset(canonical_fusion_names(config.disabled_fusions)),
+                   strict=config.strict, translation_validation=config.translation_validation,
+                   keep_unvalidated_rewrites=config.keep_unvalidated_rewrites)
 
 
 def graph_kind(graph: Graph) -> str:
@@ -318,11 +445,13 @@ def fused_calls(nodes: Iterable[Node]) -> list[tuple]:
 
 
 class PassManager:
-    """Runs the enabled fusion passes over one aten graph and reports on it."""
+    """Runs the enabled fusion passes over one aten graph and reports on it, with the config values
+    of ``settings`` (default: the config now); it reads no global config itself."""
 
-    def __init__(self, passes: Optional[list[FusionPass]] = None):
+    def __init__(self, passes: Optional[list[FusionPass]] = None, settings: Optional[FusionSettings] = None):
+        self.settings = settings if settings is not None else FusionSettings.from_config()
         if passes is None:
-            passes = [cls() for cls in ordered(registered_fusions()) if cls.name not in config.disabled_fusions]
+            passes = [cls() for cls in ordered(registered_fusions()) if cls.name not in self.settings.disabled_fusions]
         self.passes = passes
 
     def __call__(self, gm: GraphModule, lowering: str = "", unsupported_ops: Optional[dict] = None) -> GraphReport:
@@ -334,7 +463,7 @@ class PassManager:
         if fake_mode is None:
             report.errors.append("graph has no fake-tensor metadata; nothing fused")
         else:
-            soc = resolve_soc()
+            soc = resolve_soc(self.settings.soc)
             changed = self._canonicalize(graph, report)
             for fusion in self.passes:  # a fresh context each: the previous pass may have edited the graph
                 ctx = PassContext(graph, soc, report.kind, fake_mode, dict(unsupported_ops or {}))
@@ -364,7 +493,7 @@ class PassManager:
                 try:
                     rewrite = fusion.match(ctx, anchor)
                 except NotFused as miss:
-                    near_misses.append(self._near_miss(fusion, anchor, str(miss)))
+                    near_misses.append(self._near_miss(fusion, anchor, str(miss), miss.near))
                     continue
                 if rewrite is not None:
                     found.append(rewrite)
@@ -379,10 +508,11 @@ class PassManager:
                                                        "overlaps a subgraph that was already fused"))
                     continue
                 checkpoint = journal.checkpoint()
+                notes: list = []  # why a rewrite is kept unvalidated (config.keep_unvalidated_rewrites)
                 try:
                     inserted = journal.apply(rewrite, ctx.fake_mode)
                     refusal = self._refusal(ctx, inserted) or \
-                        self._differs(subgraph, journal.outputs_since(checkpoint), inserted)
+                        self._differs(subgraph, journal.outputs_since(checkpoint), inserted, notes)
                 except ArgumentsRefused as refused:
                     refusal = str(refused)
                 if refusal:
@@ -391,8 +521,9 @@ class PassManager:
                     continue
                 claimed.update(inside - views)
                 shared.update(views)
-                matches.append(Match(fusion.family, rewrite.op, rewrite.anchor.name,
-                                     tuple(n.name for n in subgraph), rewrite.detail, **where(subgraph)))
+                matches.append(Match(fusion.name, rewrite.op, rewrite.anchor.name,
+                                     tuple(n.name for n in subgraph), rewrite.detail, **where(subgraph),
+                                     unvalidated="; ".join(notes)))
             _erase_dead(ctx.graph, claimed | shared)
         except Exception as exc:  # a pass must never break the user's compile
             journal.rollback()
@@ -409,14 +540,12 @@ class PassManager:
             name = op._opname
             if name in ctx.unsupported_ops:
                 return ctx.unsupported_ops[name]
-            limits = SOC_LIMITS.get(op)
-            reason = limits(ctx.soc, *args, **kwargs) if limits else None
+            reason = soc_refusal(op, ctx.soc, *args, **kwargs)
             if reason:
                 return f"{name} on {ctx.soc}: {reason}"
         return None
 
-    @staticmethod
-    def _differs(subgraph: list[Node], outputs: dict, inserted: list[Node]) -> Optional[str]:
+    def _differs(self, subgraph: list[Node], outputs: dict, inserted: list[Node], notes: list) -> Optional[str]:
         """Why the replacement does not stand in for the subgraph: a layout a later view relies on,
         or (translation validation) different values on random inputs."""
         for old, new in outputs.items():
@@ -427,18 +556,18 @@ class PassManager:
                 if viewer is not None:
                     return (f"the replacement of {old.name} has strides {list(after.stride())}, not "
                             f"{list(before.stride())}, and {viewer.name} views it")
-        if config.translation_validation:
-            return check_rewrite(subgraph, outputs, inserted)
+        if self.settings.translation_validation:
+            return check_rewrite(subgraph, outputs, inserted, notes=notes,
+                                 keep_unvalidated=self.settings.keep_unvalidated_rewrites)
         return None
 
     @staticmethod
-    def _near_miss(fusion: FusionPass, anchor: Node, reason: str) -> NearMiss:
-        return NearMiss(fusion.family, anchor.name, reason, **where([anchor]), nodes=involved(anchor))
+    def _near_miss(fusion: FusionPass, anchor: Node, reason: str, near: tuple = ()) -> NearMiss:
+        return NearMiss(fusion.name, anchor.name, reason, **where([anchor, *near]), nodes=involved(anchor))
 
-    @staticmethod
-    def _fail(what: str, exc: Exception, report: GraphReport) -> None:
+    def _fail(self, what: str, exc: Exception, report: GraphReport) -> None:
         message = f"{what} failed and left the graph unfused: {exc!r}"
-        if config.strict:
+        if self.settings.strict:
             raise FusionError(message) from exc
         warnings.warn(message, RuntimeWarning, stacklevel=3)
         log.warning("%s", message, exc_info=True)

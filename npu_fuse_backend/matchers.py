@@ -1,30 +1,47 @@
-"""Building blocks the fusion passes share: each recognises one piece of model code in an
-aten graph and returns a typed record of what it found, or None.
+"""Building blocks two or more fusion families share: each recognises one piece of model code
+in an aten graph and returns a typed record of what it found, or None. A family's own
+matchers live in its pass module; RoPE is not matched here: :mod:`~npu_fuse_backend.rotation`
+recognises what a subgraph computes.
 
-The graph is canonicalized first (``canonicalize.py``), so no-op slices, views and casts,
-and duplicate views of one tensor, are already gone.
+A building block that finds its piece but sees a broken rule raises
+:class:`~npu_fuse_backend.fusion.NotFused` with the reason; a caller that tries
+alternatives catches it, and a pass that looks at a site another family owns reads it with
+:func:`quiet` (that family reports the near-miss). The graph is canonicalized first
+(``canonicalize.py``), so no-op slices, views and casts, and duplicate views of one tensor,
+are already gone.
 
-- pieces of the last dim: :func:`last_dim_piece`, :func:`pieces_of`; casts: :func:`uncast`;
-- normalisation and projections: :func:`match_rms_norm`, :func:`match_quantize`, :func:`match_linear`;
-- layout: :func:`transposed`, :func:`swaps_01`.
-
-RoPE is not matched here: :mod:`~npu_fuse_backend.rotation` recognises what a subgraph computes.
+- pieces of the last dim: :func:`last_dim_piece`; casts: :func:`uncast`; operands: :func:`binary_operands`;
+- normalisation (the MLA prologue and rms_norm): :func:`match_rms_core` (the RMS in every spelling),
+  :func:`match_rms_norm` (with its weight and bias).
 """
 
 import dataclasses
+import math
 import operator
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 from torch.fx import Node
 
-from .graph_utils import INT_MAX, VIEWS, aten, is_call, norm_dim, rank, shape_eq, slice_args, static_int, val
+from .fusion import NotFused
+from .graph_utils import INT_MAX, aten, is_call, norm_dim, rank, slice_args, static_int, val
 
-CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+# the ops that change only a tensor's dtype (what ``uncast`` looks through)
+DTYPE_CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 
 
-# -- pieces of the last dim, casts ---------------------------------------------------
-class Piece(NamedTuple):
+def quiet(matcher, *args):
+    """``matcher(*args)``, None where it raises NotFused: a site another family's pass owns, whose
+    near-miss that pass reports."""
+    try:
+        return matcher(*args)
+    except NotFused:
+        return None
+
+
+# -- pieces of the last dim, casts, signs ---------------------------------------------------
+@dataclasses.dataclass
+class Piece:
     """``source[..., start:end:step]``: a last-dim slice, or one part of a last-dim split."""
 
     source: Node
@@ -34,7 +51,8 @@ class Piece(NamedTuple):
     nodes: list  # the slice (or getitem and split) computing it
 
 
-class Stripped(NamedTuple):
+@dataclasses.dataclass
+class Stripped:
     """A value without the dtype casts around it."""
 
     node: Any
@@ -43,7 +61,7 @@ class Stripped(NamedTuple):
 
 def uncast(node) -> Stripped:
     casts = []
-    while is_call(node, *CASTS) and set(node.kwargs) <= {"dtype", "layout", "device"}:
+    while is_call(node, *DTYPE_CASTS) and set(node.kwargs) <= {"dtype", "layout", "device"}:
         casts.append(node)
         node = node.args[0]
     return Stripped(node, casts)
@@ -101,30 +119,7 @@ def last_dim_piece(node) -> Optional[Piece]:
     return None
 
 
-class PieceUse(NamedTuple):
-    """A user of a tensor that takes one last-dim piece of it."""
-
-    node: Node
-    nodes: list
-
-
-def pieces_of(node: Node) -> dict:
-    """{(start, end): PieceUse} for the step-1 last-dim slices and split parts taken of node."""
-    candidates = []
-    for user in node.users:
-        if is_call(user, aten.split.Tensor, aten.split_with_sizes.default):
-            candidates += list(user.users)
-        else:
-            candidates.append(user)
-    found = {}
-    for candidate in candidates:
-        piece = last_dim_piece(candidate)
-        if piece is not None and piece.source is node and piece.step == 1:
-            found.setdefault((piece.start, piece.end), PieceUse(candidate, piece.nodes))
-    return found
-
-
-# -- normalisation and projections ------------------------------------------------------------
+# -- operands, normalisation ------------------------------------------------------------------
 def binary_operands(node, target) -> Optional[tuple]:
     """(a, b) when node is ``target(a, b)`` with no other arguments."""
     return tuple(node.args[:2]) if is_call(node, target) and len(node.args) == 2 and not node.kwargs else None
@@ -142,8 +137,8 @@ class RmsNorm:
 
 
 def match_rms_norm(node) -> Optional[RmsNorm]:
-    out, nodes = uncast(node)
-    nodes, beta = list(nodes), None
+    stripped = uncast(node)
+    out, nodes, beta = stripped.node, list(stripped.casts), None
     added = binary_operands(out, aten.add.Tensor)
     if added is not None:
         for a, b in (added, added[::-1]):
@@ -154,8 +149,9 @@ def match_rms_norm(node) -> Optional[RmsNorm]:
                 break
         else:
             return None
-    out, casts = uncast(out)
-    nodes += casts
+    stripped = uncast(out)
+    out = stripped.node
+    nodes += stripped.casts
     product = binary_operands(out, aten.mul.Tensor)
     if product is None:
         return None
@@ -163,214 +159,145 @@ def match_rms_norm(node) -> Optional[RmsNorm]:
         gamma, normed = uncast(gamma_side), uncast(normed_side)
         if not (isinstance(gamma.node, Node) and rank(gamma.node) == 1):
             continue
-        found = _normalized(normed.node)
+        found = quiet(match_rms_core, normed.node)
         if found is not None:
+            duplicate = [found.duplicate] if found.duplicate is not None else []
             return RmsNorm(found.x, gamma.node, beta, found.eps,
-                           [*nodes, out, *gamma.casts, *normed.casts, *found.nodes])
-    return None
-
-
-class _Normalized(NamedTuple):
-    x: Node
-    eps: Any
-    nodes: list
-
-
-def _normalized(node) -> Optional[_Normalized]:
-    """xf * rsqrt(mean(xf^2, -1, keepdim=True) + eps), xf = float(x): a per-row RMS over the last dim."""
-    product = binary_operands(node, aten.mul.Tensor)
-    if product is None:
-        return None
-    for xf, scale in (product, product[::-1]):
-        if not is_call(scale, aten.rsqrt.default):
-            continue
-        total = binary_operands(scale.args[0], aten.add.Tensor)
-        if total is None or not is_call(total[0], aten.mean.dim):
-            continue
-        mean = total[0]
-        square = mean.args[0]
-        if not (is_call(square, aten.pow.Tensor_Scalar) and square.args[1] == 2 and square.args[0] is xf):
-            continue
-        dims = list(mean.args[1]) if len(mean.args) > 1 else mean.kwargs.get("dim")
-        keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
-        if not (keepdim and dims is not None and len(dims) == 1 and _is_last_dim(dims[0], square)):
-            continue
-        x, casts = uncast(xf)
-        return _Normalized(x, total[1], [node, scale, scale.args[0], mean, square, *casts])
-    return None
-
-
-def transposed(node) -> Optional[Node]:
-    """w for ``w.t()`` (``t``, or ``permute(w, [1, 0])`` after inductor's decompositions)."""
-    if is_call(node, aten.t.default) or (is_call(node, aten.permute.default) and list(node.args[1]) == [1, 0]):
-        return node.args[0]
+                           [*nodes, out, *gamma.casts, *normed.casts, *found.nodes, *found.casts, *duplicate])
     return None
 
 
 @dataclasses.dataclass
-class Quantize:
-    """``int8(clamp(round(y / scale + offset), -128, 127))``: static per-tensor asymmetric quant."""
-
-    y: Node
-    scale: Node
-    offset: Node
-    nodes: list
-
-
-def _int8_clamped(node) -> Optional[Stripped]:
-    """clamp(inner, -128, 127), or clamp_max(clamp_min(inner, -128), 127)."""
-    if is_call(node, aten.clamp.default) and tuple(node.args[1:3]) == (-128, 127):
-        return Stripped(node.args[0], [node])
-    if is_call(node, aten.clamp_max.default) and node.args[1] == 127 and \
-            is_call(node.args[0], aten.clamp_min.default) and node.args[0].args[1] == -128:
-        return Stripped(node.args[0].args[0], [node, node.args[0]])
-    return None
-
-
-def match_quantize(node) -> Optional[Quantize]:
-    clamp, casts = uncast(node)
-    clamped = _int8_clamped(clamp)
-    if not (casts and val(node).dtype == torch.int8 and clamped and is_call(clamped.node, aten.round.default)):
-        return None
-    rounded = clamped.node
-    shifted = binary_operands(rounded.args[0], aten.add.Tensor)
-    divided = binary_operands(shifted[0], aten.div.Tensor) if shifted else None
-    if divided is None:
-        return None
-    offset, scale, y = uncast(shifted[1]), uncast(divided[1]), uncast(divided[0])
-    return Quantize(y.node, scale.node, offset.node,
-                    [*casts, *clamped.casts, rounded, rounded.args[0], shifted[0], *offset.casts, *scale.casts,
-                     *y.casts])
-
-
-@dataclasses.dataclass
-class QuantLinear:
-    """The w8a8 parts of a projection: the activation's quantize and the int32 bias + dequant scale."""
-
-    quantize: Quantize
-    bias: Node
-    descale: Node
-
-
-@dataclasses.dataclass
-class Linear:
-    """A projection: ``x @ w^T`` (nn.Linear, w stored [out, in]) or ``x @ w`` (w stored
-    [in, out]), or the w8a8 form ``dequant(int_mm(quant(x), w^T or w) + bias)``."""
+class RmsCore:
+    """``xf * rsqrt(mean(xf^2, -1, keepdim=True) + eps)``: a per-row RMS normalisation over the last
+    dim, in any spelling (see :func:`match_rms_core`). ``x`` is xf without the dtype casts that made it."""
 
     x: Node
-    w: Node  # the weight as the graph holds it
-    quant: Optional[QuantLinear]
-    nodes: list
-    in_out: bool = False  # w is stored [in, out] (``x @ w``), not [out, in]
+    xf: Node
+    casts: list  # the casts from x to xf (empty when xf is x)
+    eps: Any  # a number, or a node when dynamo made it a graph input
+    rstd: Optional[Node]  # the node holding rsqrt(mean(xf^2) + eps) (None where x is divided by the sqrt)
+    nodes: list  # the normalisation, from the square to ``node`` (the casts not included)
+    duplicate: Optional[Node] = None  # a second computation of xf, the one squared
 
 
-def _weight(node) -> Optional[tuple]:
-    """(w, in_out, nodes) for the right operand of a 2-D matmul: ``w.t()`` or a plain 2-D w."""
-    if transposed(node) is not None:
-        return transposed(node), False, [node]
-    if rank(node) == 2:
-        return node, True, []
+def _sqrt_of(node) -> Optional[tuple]:
+    """(v, nodes) for ``rsqrt(v)``, ``reciprocal(sqrt(v))`` or ``1 / sqrt(v)`` (a reciprocal times 1)."""
+    if is_call(node, aten.rsqrt.default):
+        return node.args[0], [node]
+    extra = []
+    ones = binary_operands(node, aten.mul.Tensor)
+    if ones is not None and 1 in ones:
+        extra, node = [node], ones[1] if ones[0] == 1 else ones[0]
+    if is_call(node, aten.reciprocal.default) and is_call(node.args[0], aten.sqrt.default):
+        return node.args[0].args[0], [*extra, node, node.args[0]]
     return None
 
 
-def match_linear(node) -> Optional[Linear]:
-    out, casts = uncast(node)
-    if is_call(out, aten.mm.default):
-        weight = _weight(out.args[1])
-        if weight is None:
-            return None
-        w, in_out, w_nodes = weight
-        return Linear(out.args[0], w, None, [*casts, out, *w_nodes], in_out)
-    scaled = binary_operands(out, aten.mul.Tensor)
-    if scaled is None:
+def _reduce_args(node: Node) -> tuple:
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return list(dims) if dims is not None else None, keepdim
+
+
+def _mean_of_squares(node) -> Optional[tuple]:
+    """(squared tensor, mean node, nodes) for ``mean(q, dims, keepdim)`` or ``sum(q, ...) / D`` with q
+    ``t^2`` or ``t * t``; NotFused for a reduction of squares that is not a last-dim mean."""
+    nodes, mean = [], node
+    divided = binary_operands(node, aten.div.Tensor)
+    scaled = binary_operands(node, aten.mul.Tensor)
+    if divided is not None and is_call(divided[0], aten.sum.dim_IntList):
+        mean, nodes, count = divided[0], [node], divided[1]
+    elif scaled is not None and any(is_call(t, aten.sum.dim_IntList) for t in scaled):
+        mean = scaled[0] if is_call(scaled[0], aten.sum.dim_IntList) else scaled[1]
+        other = scaled[1] if mean is scaled[0] else scaled[0]
+        nodes, count = [node], 1 / other if isinstance(other, (int, float)) and other else None
+    elif is_call(node, aten.sum.dim_IntList):
+        count = None
+    elif is_call(node, aten.mean.dim):
+        count = "mean"
+    else:
         return None
-    for acc_side, descale in (scaled, scaled[::-1]):
-        acc = uncast(acc_side)
-        biased = binary_operands(acc.node, aten.add.Tensor)
-        if biased is None or not is_call(biased[0], aten._int_mm.default):
-            continue
-        int_mm, bias = biased
-        weight = _weight(int_mm.args[1])
-        quant = match_quantize(int_mm.args[0])
-        if weight is None or quant is None:
-            return None
-        w, in_out, w_nodes = weight
-        return Linear(quant.y, w, QuantLinear(quant, bias, descale),
-                      [*casts, out, *acc.casts, acc.node, int_mm, *w_nodes, *quant.nodes], in_out)
-    return None
+    square = mean.args[0]
+    if is_call(square, aten.pow.Tensor_Scalar) and square.args[1] == 2:
+        base = square.args[0]
+    elif is_call(square, aten.mul.Tensor) and len(square.args) == 2 and square.args[0] is square.args[1]:
+        base = square.args[0]
+    else:
+        return None
+    dims, keepdim = _reduce_args(mean)
+    if not (dims is not None and len(dims) == 1 and _is_last_dim(dims[0], square)):
+        raise NotFused(f"{mean.name} averages the squares over dims {dims}, not over the last dim only")
+    if not keepdim:
+        raise NotFused(f"{mean.name} drops the reduced dim (an RMS norm keeps it to broadcast over the row)")
+    if count != "mean":
+        size = static_int(val(square).shape[-1])
+        if count is None or size is None or not math.isclose(float(count), size):
+            raise NotFused(f"{node.name} sums the squares over the last dim without dividing by its size: "
+                           "not their mean")
+    return base, mean, [*nodes, mean, square]
 
 
-# -- layout ---------------------------------------------------------------------------------------
-def swaps_01(node) -> bool:
-    """x.transpose(0, 1) of a 3-D x (``permute(x, [1, 0, 2])`` after inductor's decompositions)."""
-    if rank(node) != 3:
+_FLOAT_WIDTH = {torch.float16: 16, torch.bfloat16: 16, torch.float32: 32, torch.float64: 64}
+
+
+def _widened(node, source) -> bool:
+    """node is source cast only to wider float dtypes (an exact copy of its values)."""
+    stripped = uncast(node)
+    if stripped.node is not source or not stripped.casts:
         return False
-    if is_call(node, aten.transpose.int):
-        return sorted(d % 3 for d in node.args[1:3]) == [0, 1]
-    return is_call(node, aten.permute.default) and list(node.args[1]) == [1, 0, 2]
+    widths = [_FLOAT_WIDTH.get(val(n).dtype) for n in [source, *reversed(stripped.casts)]]
+    return None not in widths and all(a < b for a, b in zip(widths, widths[1:]))
 
 
-# -- layout-only ops ----------------------------------------------------------------------------
-FRESH_BUFFERS = (aten.empty.memory_format, aten.new_empty.default, aten.new_empty_strided.default,
-                 aten.empty_like.default, aten.empty_strided.default)
+def _same_value(a: Node, b: Node) -> bool:
+    """a and b compute one value: the same deterministic op of the same arguments."""
+    if not (isinstance(a, Node) and isinstance(b, Node) and a.op == b.op == "call_function"):
+        return False
+    random = isinstance(a.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in a.target.tags
+    return not random and a.target == b.target and a.args == b.args and a.kwargs == b.kwargs
 
 
-class LayoutPath(NamedTuple):
-    """``node`` computed from ``source`` by ops that only lay the same values out anew
-    (row-major order kept): its value is ``source.reshape(node's shape)``."""
-
-    source: Any
-    nodes: list  # the layout ops, and the fresh buffers values were copied into
-
-
-def copied_into_fresh_buffer(node) -> Optional[Node]:
-    """src for ``copy(empty(...), src)`` of src's shape and dtype (``x.new_empty(...).copy_(src)``
-    after functionalization)."""
-    if not (is_call(node, aten.copy.default) and is_call(node.args[0], *FRESH_BUFFERS) and len(node.args) == 2):
-        return None
-    src = node.args[1]
-    if not (isinstance(src, Node) and shape_eq(val(node).shape, val(src).shape) and val(node).dtype == val(src).dtype):
-        return None
-    return src
-
-
-def through_layout(node) -> LayoutPath:
-    """Walk back from node over view/reshape/_unsafe_view, clone and copies into fresh buffers.
-    Each keeps the values in row-major order, so a replacement computing ``source`` gives node's
-    value as a view of its contiguous result."""
-    nodes = []
-    while True:
-        if is_call(node, *VIEWS, aten.clone.default) and isinstance(node.args[0], Node):
-            if is_call(node, aten.clone.default) and set(node.kwargs) - {"memory_format"}:
-                break
-            nodes.append(node)
-            node = node.args[0]
+def match_rms_core(node) -> Optional[RmsCore]:
+    """The RMS normalisation rooted at node: ``xf * r`` or ``xf / sqrt(v)``, r = ``rsqrt(v)`` or
+    ``1 / sqrt(v)``, v = ``m + eps``, m = ``mean(xf^2, -1, keepdim=True)`` (or ``xf * xf``, or the
+    sum divided by the last dim's size). NotFused for the same shape with a broken rule: no eps, another
+    reduction, or the RMS of another tensor."""
+    if is_call(node, aten.div.Tensor) and len(node.args) == 2 and is_call(node.args[1], aten.sqrt.default):
+        candidates = [(node.args[0], node.args[1].args[0], [node, node.args[1]], None)]
+    else:
+        product = binary_operands(node, aten.mul.Tensor)
+        if product is None:
+            return None
+        candidates = []
+        for xf, scale in (product, product[::-1]):
+            inside = _sqrt_of(scale)
+            if inside is not None:
+                candidates.append((xf, inside[0], [node, *inside[1]], scale))
+    for xf, total, nodes, rstd in candidates:
+        if not isinstance(xf, Node):
             continue
-        src = copied_into_fresh_buffer(node)
-        if src is None:
-            break
-        nodes += [node, node.args[0]]
-        node = src
-    return LayoutPath(node, nodes)
-
-
-def scalar_like(node) -> Any:
-    """The one-element tensor (or number) behind ``expand``/views of it, else node itself."""
-    while is_call(node, aten.expand.default, *VIEWS) and isinstance(node.args[0], Node) \
-            and val(node.args[0]).numel() == 1:
-        node = node.args[0]
-    return node
-
-
-def written_back(node: Node, layout: LayoutPath) -> list:
-    """``copy(dst, node)`` users whose dst is one of layout's nodes and has node's shape, dtype and
-    strides: each equals node's value (the functional form of an in-place op on a view,
-    ``scores /= s``)."""
-    copies = []
-    for user in node.users:
-        if is_call(user, aten.copy.default) and user.args[1] is node and user.args[0] in layout.nodes:
-            dst, value = val(user.args[0]), val(node)
-            if shape_eq(dst.shape, value.shape) and shape_eq(dst.stride(), value.stride()) \
-                    and dst.dtype == value.dtype:
-                copies.append(user)
-    return copies
+        eps, found = None, None
+        if is_call(total, aten.add.Tensor, aten.add.Scalar) and len(total.args) == 2 and not total.kwargs:
+            for m, e in (total.args, total.args[::-1]):
+                found = _mean_of_squares(m) if isinstance(m, Node) else None
+                if found is not None:
+                    eps = e
+                    break
+        else:
+            found = _mean_of_squares(total) if isinstance(total, Node) else None
+            if found is not None:
+                raise NotFused(f"{node.name} divides by the root of the mean of squares with no epsilon added: "
+                               "not RMSNorm's rsqrt(mean(x^2) + epsilon)")
+        if found is None:
+            continue
+        base, _, reduce_nodes = found
+        if base is not xf and _widened(base, xf):  # T5: the RMS of x cast up, times x (promoted exactly)
+            xf = base
+        if base is not xf and not _same_value(base, xf):
+            raise NotFused(f"{node.name} scales {xf.name} by the RMS of another tensor, {base.name}")
+        x = uncast(xf)
+        add = [total] if eps is not None else []
+        duplicate = base if base is not xf else None  # the same value computed twice (Cohere's x - mean)
+        return RmsCore(x.node, xf, x.casts, eps, rstd, [*nodes, *add, *reduce_nodes], duplicate)
+    return None

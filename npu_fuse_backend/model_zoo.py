@@ -7,9 +7,10 @@ Each entry is a model factory with the contract of ``npu-fuse explain module:cal
 
     npu-fuse explain npu_fuse_backend.model_zoo:deepseek_v3 --training
 
-returns ``(model, inputs)``. Attention is transformers' eager implementation, so softmax
+returns ``(model, inputs)``. Expected fusions count per layer, plus ``once`` per model (the first
+layer's norm of the embeddings). Attention is transformers' eager implementation, so softmax
 backward is in the graph (SDPA hides it). transformers is an optional dependency: installed
-by the ``test`` extra.
+by the ``zoo`` extra (``pip install 'npu-fuse[zoo]'``) and the ``test`` extra.
 """
 
 import dataclasses
@@ -18,6 +19,17 @@ from typing import Callable
 import torch
 
 HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, VOCAB = 64, 4, 2, 128, 128
+
+
+def _import_transformers():
+    try:
+        import transformers
+    except ModuleNotFoundError as exc:
+        if exc.name != "transformers":
+            raise
+        raise ModuleNotFoundError("npu_fuse's model zoo builds transformers' own model classes, and transformers is "
+                                  "not installed: pip install 'npu-fuse[zoo]'", name="transformers") from None
+    return transformers
 
 
 @dataclasses.dataclass
@@ -29,18 +41,22 @@ class Family:
     model_class: str  # the transformers class, e.g. "LlamaForCausalLM"
     forward: dict  # fused op -> sites per layer in the forward (or inference) graph
     backward: dict  # fused op -> sites per layer in the backward graph of a training step
+    once: dict = dataclasses.field(default_factory=dict)  # fused op -> sites per model in the forward graph
+    routers: int = 0  # MoE router softmaxes per layer: their backward has no scale, a near-miss saying so
 
     def build(self, layers: int = 1, seed: int = 0) -> torch.nn.Module:
-        import transformers
-
+        transformers = _import_transformers()
         torch.manual_seed(seed)
         config = self.config(layers)
         config._attn_implementation = "eager"
         return getattr(transformers, self.model_class)(config)
 
     def expected(self, kind: str, layers: int) -> dict:
-        per_layer = self.forward if kind in ("forward", "inference") else self.backward
-        return {op: n * layers for op, n in per_layer.items()}
+        forward = kind in ("forward", "inference")
+        counts = {op: n * layers for op, n in (self.forward if forward else self.backward).items()}
+        for op, n in (self.once.items() if forward else ()):
+            counts[op] = counts.get(op, 0) + n
+        return counts
 
 
 def _common(layers: int, **extra) -> dict:
@@ -142,65 +158,76 @@ ROPE = {"rotary_mul": 2}  # q and k
 ROPE_BACKWARD = {"rotary_mul_backward": 2}
 SOFTMAX_BACKWARD = {"softmax_grad_ext": 1}
 TRAINING = {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}
+# RMSNorm decoders: the residual add before each layer's second norm and the next layer's (or the final)
+# norm, and the first layer's norm of the embeddings
+NORMS = {"add_rms_norm": 2}
+FIRST_NORM = {"rms_norm": 1}
 
 FAMILIES = [
-    Family("llama", _config("LlamaConfig"), "LlamaForCausalLM", ROPE, {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
-    Family("qwen2", _config("Qwen2Config"), "Qwen2ForCausalLM", ROPE, {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
-    Family("qwen3", _config("Qwen3Config", head_dim=16), "Qwen3ForCausalLM", ROPE,
-           {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
-    Family("mistral", _config("MistralConfig"), "MistralForCausalLM", ROPE, {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
-    Family("gemma", _config("GemmaConfig", head_dim=16), "GemmaForCausalLM", ROPE,
-           {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
-    Family("phi3", _config("Phi3Config", pad_token_id=0), "Phi3ForCausalLM", ROPE,
-           {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
+    Family("llama", _config("LlamaConfig"), "LlamaForCausalLM", {**ROPE, **NORMS},
+           TRAINING, FIRST_NORM),
+    Family("qwen2", _config("Qwen2Config"), "Qwen2ForCausalLM", {**ROPE, **NORMS},
+           TRAINING, FIRST_NORM),
+    Family("qwen3", _config("Qwen3Config", head_dim=16), "Qwen3ForCausalLM",
+           {**ROPE, **NORMS, "rms_norm": 2}, TRAINING, FIRST_NORM),  # + q/k norms
+    Family("mistral", _config("MistralConfig"), "MistralForCausalLM", {**ROPE, **NORMS},
+           TRAINING, FIRST_NORM),
+    Family("gemma", _config("GemmaConfig", head_dim=16), "GemmaForCausalLM", {**ROPE, **NORMS},
+           TRAINING, FIRST_NORM),  # gamma = 1 + weight
+    Family("phi3", _config("Phi3Config", pad_token_id=0), "Phi3ForCausalLM", {**ROPE, **NORMS},
+           TRAINING, FIRST_NORM),
     Family("phi (partial half)", _config("PhiConfig", **_partial(0.5)), "PhiForCausalLM", ROPE,
-           {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
+           TRAINING),
     Family("stablelm (partial half)", _config("StableLmConfig", **_partial(0.25)), "StableLmForCausalLM", ROPE,
-           {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
-    Family("gpt-neox (partial half)", _gpt_neox, "GPTNeoXForCausalLM", ROPE, {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
+           TRAINING),
+    Family("gpt-neox (partial half)", _gpt_neox, "GPTNeoXForCausalLM", ROPE, TRAINING),
     Family("gpt-j (partial interleave)", _gptj, "GPTJForCausalLM", {"inplace_partial_rotary_mul": 2},
-           {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
-    Family("cohere (interleave)", _config("CohereConfig"), "CohereForCausalLM", ROPE,
-           {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
-    Family("falcon", _falcon, "FalconForCausalLM", ROPE, {**ROPE_BACKWARD, **SOFTMAX_BACKWARD}),
-    Family("deepseek-v3 (interleave)", _deepseek_v3, "DeepseekV3ForCausalLM", {"interleave_rope": 2},
-           {"interleave_rope_backward": 2, **SOFTMAX_BACKWARD}),
+           TRAINING),
+    Family("cohere (interleave)", _config("CohereConfig"), "CohereForCausalLM", {**ROPE, "rms_norm": 1},
+           TRAINING, FIRST_NORM),  # its LayerNorm: the RMSNorm of x - mean
+    Family("falcon", _falcon, "FalconForCausalLM", ROPE, TRAINING),
+    Family("deepseek-v3 (interleave)", _deepseek_v3, "DeepseekV3ForCausalLM",
+           {"interleave_rope": 2, **NORMS, "rms_norm": 2},  # + the q and kv latents' norms
+           {"interleave_rope_backward": 2, **SOFTMAX_BACKWARD}, FIRST_NORM),
     # chosen for their differences: MoE routers, QK-norm placement, rope scalings, M-RoPE, complex RoPE, MLA
     Family("qwen3-moe (MoE router, QK-norm per head)", _config("Qwen3MoeConfig", head_dim=16, num_experts=4,
                                                               num_experts_per_tok=2, moe_intermediate_size=32),
-           "Qwen3MoeForCausalLM", ROPE, TRAINING),
+           "Qwen3MoeForCausalLM", {**ROPE, **NORMS, "rms_norm": 2}, TRAINING, FIRST_NORM, routers=1),
     Family("mixtral (MoE router)", _config("MixtralConfig", num_local_experts=4, num_experts_per_tok=2),
-           "MixtralForCausalLM", ROPE, TRAINING),
-    Family("olmo2 (QK-norm on the whole projections)", _config("Olmo2Config"), "Olmo2ForCausalLM", ROPE, TRAINING),
+           "MixtralForCausalLM", {**ROPE, **NORMS}, TRAINING, FIRST_NORM, routers=1),
+    Family("olmo2 (QK-norm on the whole projections)", _config("Olmo2Config"), "Olmo2ForCausalLM",
+           {**ROPE, "rms_norm": 4}, TRAINING, {"add_rms_norm": 1}),  # post-norms: only the final norm follows an add,
     Family("gemma3 (QK-norm, sliding-window layers)", _config("Gemma3TextConfig", head_dim=16, sliding_window=4),
-           "Gemma3ForCausalLM", ROPE, TRAINING),
+           "Gemma3ForCausalLM", {**ROPE, **NORMS, "rms_norm": 4}, TRAINING, FIRST_NORM),
     Family("granite (embedding/attention/residual multipliers)", _config("GraniteConfig"), "GraniteForCausalLM",
-           ROPE, TRAINING),
+           {**ROPE, **NORMS}, TRAINING, FIRST_NORM),
     Family("glm4 (partial interleave, repeat_interleave tables)", _config("Glm4Config", head_dim=16, pad_token_id=0),
-           "Glm4ForCausalLM", {"inplace_partial_rotary_mul": 2}, TRAINING),
+           "Glm4ForCausalLM",
+           {"inplace_partial_rotary_mul": 2, **NORMS, "rms_norm": 2}, TRAINING, FIRST_NORM),
     # q's complex RoPE on its q_pe split is a partial RoPE of q (the in-place op, in the backward too: the
     # adjoint of a rotation by freqs_cis is the rotation by conj(freqs_cis)); k_pe's is rotary_mul
     Family("deepseek-v2 (complex RoPE on an MLA split)", _deepseek_v2, "DeepseekV2ForCausalLM",
-           {"inplace_partial_rotary_mul": 1, "rotary_mul": 1},
-           {"inplace_partial_rotary_mul": 1, "rotary_mul": 1, **SOFTMAX_BACKWARD}),
-    Family("llama4 (complex RoPE, L2 QK-norm, chunked attention)", _llama4, "Llama4ForCausalLM", ROPE,
-           {"rotary_mul": 2, **SOFTMAX_BACKWARD}),
-    Family("phi3-longrope (LongRoPE scaled tables)", _phi3_longrope, "Phi3ForCausalLM", ROPE, TRAINING),
+           {"inplace_partial_rotary_mul": 1, "rotary_mul": 1, **NORMS, "rms_norm": 1},  # + the kv latent's norm
+           {"inplace_partial_rotary_mul": 1, "rotary_mul": 1, **SOFTMAX_BACKWARD}, FIRST_NORM),
+    Family("llama4 (complex RoPE, L2 QK-norm, chunked attention)", _llama4, "Llama4ForCausalLM",
+           {**ROPE, **NORMS, "rms_norm": 2}, {"rotary_mul": 2, **SOFTMAX_BACKWARD}, FIRST_NORM),  # + the L2 QK-norms
+    Family("phi3-longrope (LongRoPE scaled tables)", _phi3_longrope, "Phi3ForCausalLM", {**ROPE, **NORMS}, TRAINING,
+           FIRST_NORM),
     Family("starcoder2 (biases, LayerNorm)", _config("Starcoder2Config"), "Starcoder2ForCausalLM", ROPE, TRAINING),
     Family("cohere2 (interleave, sliding-window layers)", _config("Cohere2Config", sliding_window=4),
-           "Cohere2ForCausalLM", ROPE, TRAINING),
+           "Cohere2ForCausalLM", {**ROPE, "rms_norm": 1}, TRAINING, FIRST_NORM),
     Family("ernie4_5 (interleave, repeat_interleave tables)", _config("Ernie4_5Config", head_dim=16),
-           "Ernie4_5ForCausalLM", ROPE, TRAINING),
+           "Ernie4_5ForCausalLM", {**ROPE, **NORMS}, TRAINING, FIRST_NORM),
     Family("minicpm3 (MLA-style q/k split RoPE)", _config("MiniCPM3Config", num_key_value_heads=HEADS, q_lora_rank=32,
                                                          kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                                          v_head_dim=16),
-           "MiniCPM3ForCausalLM", ROPE, TRAINING),
+           "MiniCPM3ForCausalLM", {**ROPE, **NORMS, "rms_norm": 2}, TRAINING, FIRST_NORM),
     Family("exaone4 (QK-norm, sliding window)", _config("Exaone4Config", sliding_window=4), "Exaone4ForCausalLM",
-           ROPE, TRAINING),
-    Family("qwen2-vl (M-RoPE sections)", _qwen_vl("Qwen2VLConfig"), "Qwen2VLForConditionalGeneration", ROPE,
-           TRAINING),
-    Family("qwen2_5-vl (M-RoPE sections)", _qwen_vl("Qwen2_5_VLConfig"), "Qwen2_5_VLForConditionalGeneration", ROPE,
-           TRAINING),
+           {**ROPE, "rms_norm": 4}, TRAINING, {"add_rms_norm": 1}),  # post-norms, as OLMo2,
+    Family("qwen2-vl (M-RoPE sections)", _qwen_vl("Qwen2VLConfig"), "Qwen2VLForConditionalGeneration",
+           {**ROPE, **NORMS}, TRAINING, FIRST_NORM),
+    Family("qwen2_5-vl (M-RoPE sections)", _qwen_vl("Qwen2_5_VLConfig"), "Qwen2_5_VLForConditionalGeneration",
+           {**ROPE, **NORMS}, TRAINING, FIRST_NORM),
 ]
 BY_NAME = {f.name.split(" ")[0]: f for f in FAMILIES}
 

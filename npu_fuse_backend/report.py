@@ -11,7 +11,8 @@ of one function split by graph breaks are each tied to theirs).
 the ``reset`` of every backend compiled with since the last reset).
 
 Logging: ``TORCH_LOGS="+npu_fuse"`` logs each report (and, at debug level, the nodes of each
-near-miss); ``TORCH_LOGS="npu_fuse_graphs"`` logs each graph before and after the passes.
+near-miss); ``TORCH_LOGS="npu_fuse_backend.graphs"`` logs each graph before and after the passes (a
+graph replayed from the compile cache was not passed through them now: one line says so).
 
 Reports survive inductor's caches: a pass compiled for inductor also stashes its
 report in ``counters["inductor"]``, whose per-compile deltas inductor stores with the
@@ -29,7 +30,7 @@ import logging
 import re
 import typing
 import uuid
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
 import torch
 from torch._dynamo.utils import counters
@@ -38,12 +39,15 @@ from torch.fx import Graph, GraphModule, Node
 from . import config
 
 # TORCH_LOGS="+npu_fuse" names the logger through the top-level module ``npu_fuse``;
-# TORCH_LOGS="npu_fuse_graphs" turns on the graphs (as "post_grad_graphs" does for inductor).
+# TORCH_LOGS="npu_fuse_backend.graphs" turns on the graphs (as "post_grad_graphs" does for inductor): torch
+# parses TORCH_LOGS at its own import, when only module names (npu_fuse_backend/graphs.py) can be valid.
+# The artifact "npu_fuse_graphs" (older spelling) works only after npu_fuse is imported.
 torch._logging._internal.register_log("npu_fuse", "npu_fuse")
 torch._logging._internal.register_artifact(
     "npu_fuse_graphs", "The aten graph before and after npu_fuse's fusion passes", off_by_default=True)
 log = logging.getLogger("npu_fuse")
-graphs_log = torch._logging.getArtifactLogger("npu_fuse", "npu_fuse_graphs")
+graphs_log = logging.getLogger("npu_fuse_backend.graphs")
+_graphs_artifact = torch._logging.getArtifactLogger("npu_fuse", "npu_fuse_graphs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +62,7 @@ class Match:
     source: str = ""  # file:line of the model code
     module: str = ""  # module path, e.g. "model.layers.3.self_attn"
     frame: str = ""  # the graph's frame: "[compile id] code name"
+    unvalidated: str = ""  # why translation validation could not check it (config.keep_unvalidated_rewrites)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +111,8 @@ class GraphReport:
                 at = f"{r.anchor}{' ' + r.source if r.source else ''}"
                 if isinstance(r, Match):
                     lines.append(f"    fused {r.op} at {at} ({r.family}{', ' + r.detail if r.detail else ''}): "
-                                 f"replaced {', '.join(r.nodes_replaced)}")
+                                 f"replaced {', '.join(r.nodes_replaced)}"
+                                 f"{'; UNVALIDATED: ' + r.unvalidated if r.unvalidated else ''}")
                 else:
                     lines.append(f"    not fused ({r.family}) at {at}: {r.reason}")
         lines += [f"  pass error: {e}" for e in self.errors]
@@ -208,11 +214,21 @@ def graph_frame(graph: Graph) -> str:
     return f"[{compile_id}]" if compile_id is not None else ""
 
 
+def _graphs_logger() -> Optional[tuple]:
+    """(logger, level) where graphs go: ``npu_fuse_backend.graphs`` when its own level is set
+    (TORCH_LOGS names it; a parent's level is not enough, so ``TORCH_LOGS="npu_fuse"`` alone logs
+    no graphs), or the artifact; None when neither is on."""
+    if graphs_log.level != logging.NOTSET and graphs_log.isEnabledFor(logging.INFO):
+        return graphs_log, logging.INFO
+    return (_graphs_artifact, logging.DEBUG) if _graphs_artifact.isEnabledFor(logging.DEBUG) else None
+
+
 def log_graph(when: str, gm: GraphModule, report: "GraphReport") -> None:
-    """The graph to the ``npu_fuse_graphs`` artifact (``TORCH_LOGS="npu_fuse_graphs"``)."""
-    if graphs_log.isEnabledFor(logging.DEBUG):
-        graphs_log.debug("graph %d %s npu_fuse's passes (%s, %s):\n%s", report.graph_id, when, report.frame,
-                         report.kind, gm.print_readable(print_output=False))
+    """The graph to ``TORCH_LOGS="npu_fuse_backend.graphs"``."""
+    target = _graphs_logger()
+    if target is not None:
+        target[0].log(target[1], "graph %d %s npu_fuse's passes (%s, %s):\n%s", report.graph_id, when,
+                      report.frame, report.kind, gm.print_readable(print_output=False))
 
 
 _reports: collections.deque = collections.deque()
@@ -275,7 +291,13 @@ def drain_cached_reports() -> None:
             _live_tokens.discard(token)
             count -= 1
         for _ in range(count):
-            publish(dataclasses.replace(GraphReport.from_json(text), graph_id=next(_graph_ids), from_cache=True))
+            report = dataclasses.replace(GraphReport.from_json(text), graph_id=next(_graph_ids), from_cache=True)
+            target = _graphs_logger()
+            if target is not None:
+                target[0].log(target[1], "graph %d (%s, %s) comes from the compile cache: npu_fuse's passes did "
+                              "not run on it now, so there is no graph to log (its report follows; a cold compile: "
+                              "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1)", report.graph_id, report.frame, report.kind)
+            publish(report)
 
 
 def get_reports() -> list[GraphReport]:

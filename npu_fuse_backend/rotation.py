@@ -54,13 +54,11 @@ from typing import Any, Optional, Union
 import torch
 from torch.fx import Graph, Node
 
-from .graph_utils import aten, is_call, norm_dim, shape_eq, size_eq, slice_args, slice_scatter_args, \
+from .canonicalize import PERMUTES
+from .graph_utils import VIEWS, aten, is_call, norm_dim, shape_eq, size_eq, slice_args, slice_scatter_args, \
     static_int, users_outside, val
+from .matchers import DTYPE_CASTS
 
-prims = torch.ops.prims
-CASTS = (aten._to_copy.default, prims.convert_element_type.default)
-VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-PERMUTES = (aten.permute.default, aten.transpose.int, aten.t.default)
 SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
 SAME = (aten.clone.default, aten.alias.default, aten.resolve_conj.default, aten.lift_fresh_copy.default)
 ZEROS = (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default)
@@ -290,7 +288,7 @@ def _expands_lanes(node: Node, sv, nv) -> bool:
 _LANE_RULES_BY_TARGET = {
     **{t: _rule_arith for t in (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor)},
     **{t: (lambda node: False) for t in (aten.neg.default, aten.copy.default, *SAME)},
-    **{t: _rule_cast for t in CASTS},
+    **{t: _rule_cast for t in DTYPE_CASTS},
     **{t: _rule_cat for t in (aten.cat.default, aten.stack.default)},
     **{t: (lambda node: True if _split_on_lanes(node) else None) for t in SPLITS},
     operator.getitem: _rule_getitem,
@@ -916,7 +914,7 @@ def _conj(self: _Interpretation, node: Node) -> Any:
 
 _TRANSFERS = {
     aten.add.Tensor: _linear, aten.sub.Tensor: _linear, aten.mul.Tensor: _mul, aten.neg.default: _neg_node,
-    **{t: _same for t in SAME}, **{t: _cast for t in CASTS}, aten.copy.default: _copy,
+    **{t: _same for t in SAME}, **{t: _cast for t in DTYPE_CASTS}, aten.copy.default: _copy,
     **{t: _reshape_view for t in VIEWS}, aten.expand.default: _expand, aten.unsqueeze.default: _unsqueeze,
     aten.squeeze.dim: _squeeze, **{t: _permute for t in PERMUTES}, aten.slice.Tensor: _slice,
     aten.select.int: _select, operator.getitem: _getitem, aten.cat.default: _cat, aten.stack.default: _stack,
@@ -1408,8 +1406,9 @@ def _table_fits(table: Table, name: str, x: Node, piece: str, w: int) -> Optiona
     if len(table.factors) == 1 and len(table.factors[0]) == 1 and table.factors[0][0].rep == 0:
         s = table.factors[0][0]
         shape = list(val(s.atom).shape)
-        return (f"{name} shape {shape} ({s.atom.name}) is not broadcastable to {piece} shape "
-                f"{[*val(x).shape[:-1], w]}: last dim {shape[-1] if shape else 1} != head dim {w}")
+        return (f"{name} shape {shape} ({s.atom.name}) is one value broadcast over the lanes of {piece} shape "
+                f"{[*val(x).shape[:-1], w]}: last dim {shape[-1] if shape else 1} != the {w} lanes rotated, and the fused "
+                "ops' tables are full width (one value per lane)")
     pieces = sum(len(f) for f in table.factors)
     if pieces > 8:
         return f"{name} of {piece} would be rebuilt from {pieces} pieces of {len(table.atoms)} tables"
@@ -1430,6 +1429,32 @@ def _no_form(lanes: list, piece: str, w: int) -> str:
     t = next(t for t, o in enumerate(own) if o is None)
     return (f"lane {t} of the result reads lanes {lanes[t][0]} and {lanes[t][1]} of {piece}, neither its own: a lane "
             "permutation no fused op computes (only DeepSeek's pairs-to-halves has one)")
+
+
+# -- building a rotation's result ----------------------------------------------------------------------
+# Unsqueezes that take x to BSND, as rotary_mul and inplace_partial_rotary_mul need it:
+# [T, N, D] -> [1, T, N, D]; [T, D] -> [1, T, 1, D].
+BSND_LIFT = {4: (), 3: (0,), 2: (0, 2)}
+
+
+def finish(b, rot: Rotation, source: Node, out: Node) -> Node:
+    """The fused op's output as the anchor's value: with the lanes around it copied from x
+    (a partial RoPE), its leading dims permuted as the subgraph's were, in the anchor's shape."""
+    if rot.passthrough:
+        head_dim = rot.head_dim
+        parts = [b.cast(b.call(aten.slice.Tensor, source, -1, lo, hi), rot.out_dtype)
+                 for lo, hi in ((0, rot.start), (rot.end, head_dim)) if hi > lo]
+        out = b.call(aten.cat.default, [*parts[:1], out, *parts[1:]] if rot.start else [out, *parts], -1)
+    if rot.lead_perm:  # the subgraph rotated x, then permuted its leading dims
+        out = b.call(aten.permute.default, out, [*rot.lead_perm, len(rot.lead_perm)])
+    shape = val(rot.anchor).shape
+    if len(shape) != val(out).dim():
+        sizes = [static_int(s) if static_int(s) is not None else b.call(aten.sym_size.int, rot.anchor, i)
+                 for i, s in enumerate(shape)]
+        out = b.call(aten.view.default, out, sizes)
+    if val(rot.anchor).is_contiguous() and not val(out).is_contiguous():  # a cat's result is contiguous
+        out = b.call(aten.clone.default, out, memory_format=torch.contiguous_format)
+    return out
 
 
 # -- one graph's rotations ----------------------------------------------------------------------------------

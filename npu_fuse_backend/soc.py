@@ -9,6 +9,7 @@ every fusion becomes a near-miss saying so (set ``config.soc`` to target it expl
 
 import logging
 import sys
+from typing import Optional
 
 from . import config
 from .graph_utils import size_eq
@@ -59,8 +60,9 @@ def soc_from_device_name(name: str) -> str:
     return name
 
 
-def resolve_soc() -> str:
-    soc = config.soc
+def resolve_soc(soc: Optional[str] = None) -> str:
+    """The SoC to target for the ``config.soc`` value ``soc`` (default: the current config's)."""
+    soc = config.soc if soc is None else soc
     if soc == "auto":
         return soc_from_device_name(npu_device_name())
     if soc not in KNOWN_SOCS:

@@ -219,6 +219,11 @@ def _kv_rms_norm_rope_cache() -> OpIR:
 
 ROPE_SAME = ("x", "cos", "sin")
 
+NORM_SOCS = (ASCEND910B, ASCEND910_93, ASCEND950, "ascend350")
+# RmsNorm's (and RmsNormGrad's) op-def columns: (x, gamma)
+NORM_COLUMNS = [dict(x=F16, gamma=F32), dict(x=BF16, gamma=F32), dict(x=F16, gamma=F16), dict(x=F32, gamma=F32),
+                dict(x=BF16, gamma=BF16)]
+
 CANN_OPS = {ir.op: ir for ir in [
     opdef("RotaryMul", [req("x"), req("r1"), req("r2")], ["y"], socs=A2_A3,
           combos=same_dtype(("x", "r1", "r2"), FLOATS), formats=None,
@@ -255,6 +260,21 @@ CANN_OPS = {ir.op: ir for ir in [
           [Attr("rotary_mode", "Int", 0), Attr("partial_slice", "ListInt", [0, 0])], socs=(ASCEND950,),
           combos=[dict(dy=dy, cos=c, sin=c) for dy in FLOATS for c in FLOATS],
           source="OT @ 5871dd99 inplace_partial_rotary_mul_grad_def.cpp (kernel ..._apt, ascend950 only)"),
+    # ON = hicann/ops-nn @ 9d221427 for the three norm ops (op-defs; protos @ 19c18706 / 54df588a; goldens)
+    opdef("RmsNorm", [req("x"), req("gamma")], ["y", "rstd"], [Attr("epsilon", "Float", 1e-6)], socs=NORM_SOCS,
+          combos=NORM_COLUMNS,
+          source="ON norm/rms_norm/op_host/rms_norm_def.cpp (ascend910b, ascend910_93; ascend950/350 regbase; "
+                 "310p/910/kirin f16/f32 only, omitted); rstd f32; proto rms_norm_proto.h: y = gamma * (x * rstd); "
+                 "aclnnRmsNorm.md: gamma = x.shape[n:], x 1-8-D"),
+    opdef("AddRmsNorm", [req("x1"), req("x2"), req("gamma")], ["y", "rstd", "x"], [Attr("epsilon", "Float", 1e-6)],
+          socs=NORM_SOCS, combos=same_dtype(("x1", "x2", "gamma"), FLOATS),
+          source="ON norm/add_rms_norm/op_host/add_rms_norm_def.cpp (one dtype for x1, x2, gamma; ascend910b, "
+                 "ascend910_93, ascend950, ascend350; 310p/kirin f16/f32 omitted); proto: x = x1 + x2, "
+                 "epsilon >= 0"),
+    opdef("RmsNormGrad", [req("dy"), req("x"), req("rstd", dtypes=frozenset({F32})), req("gamma")], ["dx", "dgamma"],
+          socs=NORM_SOCS, combos=[dict(c, dy=c["x"]) for c in NORM_COLUMNS],
+          source="ON norm/rms_norm_grad/op_host/rms_norm_grad_def.cpp (inputs dy, x, rstd, gamma: rstd f32; "
+                 "dgamma f32; SoCs as RmsNorm)"),
     _mla_preprocess(),
     _mla_prolog("MlaProlog"),
     _mla_prolog("MlaPrologV2"),

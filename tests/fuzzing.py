@@ -11,6 +11,11 @@ or missing signs, wrong dims, wrong slice bounds, another tensor, extra users of
 intermediate, an accumulating cache write, RMSNorm over the wrong dim). An MLA program may
 also write at an out-of-range slot: it fuses, and raises where eager does.
 
+Each program also draws a value class for its inputs (``VALUE_CLASSES``): ordinary normal values,
+magnitudes far outside [-1, 1] (inputs scaled up, tables and scales above 1, as YaRN/NTK tables and
+temperatures are), NaN planted in the activations (eager's NaN pattern must come back exactly), or,
+for an MLA program writing with ``index_put_``, repeated slots (the last write of a slot wins).
+
 A result is a *mismatch* when the compiled program differs from eager beyond what eager's own
 rounding explains (measured against a float64 run of the same program where it has one), or
 raises where eager does not (or the reverse); *unexpected* when a form that must fuse did not,
@@ -28,6 +33,24 @@ import npu_fuse_backend as nf
 from npu_fuse_backend.demo_models import DeepSeekMLA, MLAConfig, mla_decode_inputs, rope_tokens
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+VALUE_CLASSES = ("normal", "normal", "magnitudes", "NaN")
+# how far "magnitudes" scales activations / tables and scales, per dtype (float16: within its range)
+MAGNITUDE = {torch.float16: (16.0, 4.0), torch.bfloat16: (1e3, 4.0), torch.float32: (1e3, 4.0)}
+
+
+def with_values(kind: str, g: torch.Generator, activations: list, tables: list = ()) -> None:
+    """Apply a value class to freshly drawn inputs, in place."""
+    if kind == "magnitudes":
+        for t in activations:
+            t.mul_(MAGNITUDE[t.dtype][0])
+        for t in tables:
+            t.mul_(MAGNITUDE[t.dtype][1])
+    elif kind == "NaN":
+        for t in activations:
+            flat = t.view(-1)
+            flat[torch.randint(0, flat.numel(), (max(1, flat.numel() // 50),), generator=g)] = float("nan")
 
 
 @dataclasses.dataclass
@@ -128,6 +151,7 @@ def rope_program(rng: random.Random, g: torch.Generator, lookalike: bool) -> Pro
     b, s, n, d = rng.choice([1, 2]), rng.choice([3, 5, 8]), rng.choice([2, 4]), rng.choice([8, 16, 32])
     style, order_name = rng.choice(list(ROTATIONS)), rng.choice(list(ORDERS))
     rotate, order, mutation = ROTATIONS[style], ORDERS[order_name], None
+    values = rng.choice(VALUE_CLASSES)
     if lookalike:
         mutation = rng.choice([*LOOKALIKE_ROTATIONS, "another tensor rotated", "extra user of the rotation"])
         rotate = LOOKALIKE_ROTATIONS.get(mutation, rotate)
@@ -166,13 +190,16 @@ def rope_program(rng: random.Random, g: torch.Generator, lookalike: bool) -> Pro
             k_shape[heads_dim] = 1
         x, k, other = _randn(g, x_shape, dtype), _randn(g, k_shape, dtype), _randn(g, x_shape, dtype)
         if from_positions:
-            return [x, k, _randn(g, [positions + offset + 4, 2, d], table_dtype),
-                    torch.randperm(positions, generator=g), other]
-        return [x, k, _randn(g, table_shape, table_dtype), _randn(g, table_shape, table_dtype), other]
+            rows = _randn(g, [positions + offset + 4, 2, d], table_dtype)
+            with_values(values, g, [x, k, other], [rows])
+            return [x, k, rows, torch.randperm(positions, generator=g), other]
+        cos, sin = _randn(g, table_shape, table_dtype), _randn(g, table_shape, table_dtype)
+        with_values(values, g, [x, k, other], [cos, sin])
+        return [x, k, cos, sin, other]
 
     name = (f"rope {style} {order_name} {layout}{' GQA' if gqa else ''} {str(dtype)[6:]} tables {table_shape}"
             f"{' fp32' if table_dtype != dtype else ''}{f' from positions+{offset}' if from_positions else ''}"
-            f"{f' LOOK-ALIKE: {mutation}' if mutation else ''}")
+            f"{'' if values == 'normal' else ', ' + values + ' values'}{f' LOOK-ALIKE: {mutation}' if mutation else ''}")
     return Program(name, "rope", fn, make_inputs, must_fuse=None if lookalike else "rotary_mul",
                    must_not_fuse="rotary_mul" if lookalike else None, grad_args=(0,) if rng.random() < 0.5 else ())
 
@@ -180,6 +207,7 @@ def rope_program(rng: random.Random, g: torch.Generator, lookalike: bool) -> Pro
 def complex_rope_program(rng: random.Random, g: torch.Generator, lookalike: bool) -> Program:
     b, s, n, d = rng.choice([1, 2]), rng.choice([3, 6]), rng.choice([2, 4]), rng.choice([8, 16])
     conj = lookalike  # the inverse rotation (as the backward computes it): fuses too, with -sin
+    values = rng.choice(VALUE_CLASSES)
 
     def fn(x, freqs):
         pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
@@ -188,9 +216,12 @@ def complex_rope_program(rng: random.Random, g: torch.Generator, lookalike: bool
 
     def make_inputs():
         angles = torch.rand(s, d // 2, generator=g) * 6
-        return [_randn(g, [b, s, n, d], torch.float32), torch.polar(torch.ones_like(angles), angles)]
+        x = _randn(g, [b, s, n, d], torch.float32)
+        with_values(values, g, [x])
+        return [x, torch.polar(torch.ones_like(angles), angles)]
 
-    return Program(f"rope Meta complex form [{b},{s},{n},{d}]{' by conj(freqs_cis)' if conj else ''}", "rope",
+    return Program(f"rope Meta complex form [{b},{s},{n},{d}]{' by conj(freqs_cis)' if conj else ''}"
+                   f"{'' if values == 'normal' else ', ' + values + ' values'}", "rope",
                    fn, make_inputs, must_fuse="rotary_mul", grad_args=(0,))
 
 
@@ -207,6 +238,7 @@ def partial_rope_program(rng: random.Random, g: torch.Generator, lookalike: bool
     if lookalike:
         mutation = rng.choice(["cat order" if kept == "cat" else "written at another slice", "another slice rotated"])
     bnsd = rng.random() < 0.25  # x a BNSD view of BSND memory (not contiguous)
+    values = rng.choice(VALUE_CLASSES)
 
     def fn(x, cos, sin):
         if bnsd:
@@ -227,10 +259,12 @@ def partial_rope_program(rng: random.Random, g: torch.Generator, lookalike: bool
     table = [rng.choice([1, b]), 1, s, r] if bnsd else [rng.choice([1, b]), s, 1, r]
 
     def make_inputs():
-        return [_randn(g, [b, s, n, d], dtype), _randn(g, table, dtype), _randn(g, table, dtype)]
+        x, cos, sin = _randn(g, [b, s, n, d], dtype), _randn(g, table, dtype), _randn(g, table, dtype)
+        with_values(values, g, [x], [cos, sin])
+        return [x, cos, sin]
 
     name = (f"partial rope {mode} [{start}:{end}] of D={d} {kept}{' BNSD' if bnsd else ''} {str(dtype)[6:]}"
-            f"{f' LOOK-ALIKE: {mutation}' if mutation else ''}")
+            f"{'' if values == 'normal' else ', ' + values + ' values'}{f' LOOK-ALIKE: {mutation}' if mutation else ''}")
     must = "inplace_partial_rotary_mul" if mode == "interleave" else "rotary_mul"
     return Program(name, "partial_rope", fn, make_inputs, must_fuse=None if lookalike else must,
                    must_not_fuse="inplace_partial_rotary_mul" if lookalike else None,
@@ -274,6 +308,7 @@ def softmax_program(rng: random.Random, g: torch.Generator, lookalike: bool) -> 
         if mutation in ("sum over dim 0", "scale over the last dim only") and rank == 1:
             shape = [2, *shape]  # of a 1-D grad, dim 0 is its last dim and a last-dim scale is its shape
     value = 1e6 if mutation == "fp16 scale 1e6" else rng.choice([0.125, 0.5, 3.0])
+    values = "normal" if mutation == "fp16 scale 1e6" else rng.choice(VALUE_CLASSES)
 
     def make_inputs():
         grad = _randn(g, shape, dtype) * (1e-3 if mutation == "fp16 scale 1e6" else 1)
@@ -282,13 +317,15 @@ def softmax_program(rng: random.Random, g: torch.Generator, lookalike: bool) -> 
                   "full": lambda: torch.rand(shape, generator=g).to(dtype),
                   "higher-rank one-element": lambda: torch.full([1] * (rank + 1), value, dtype=dtype),
                   "last dim": lambda: torch.rand(shape[-1:], generator=g).to(dtype)}
-        return [grad, probs] + ([scales[scale_kind]()] if scale_kind != "python" else [])
+        scale = [scales[scale_kind]()] if scale_kind != "python" else []
+        with_values(values, g, [grad], scale)
+        return [grad, probs] + scale
 
     def fn(grad, probs, *scale):
         return chain(grad, probs, scale[0] if scale else value)
 
     name = (f"softmax backward {form} scale {scale_kind} {shape} {str(dtype)[6:]}"
-            f"{f' LOOK-ALIKE: {mutation}' if mutation else ''}")
+            f"{'' if values == 'normal' else ', ' + values + ' values'}{f' LOOK-ALIKE: {mutation}' if mutation else ''}")
     grad_args = (0,) if form != "fma" and rng.random() < 0.3 else ()  # prims.fma has no autograd
     # in training the forward keeps the chain's intermediates for the backward: a near-miss there
     return Program(name, "softmax_grad", fn, make_inputs,
@@ -301,6 +338,7 @@ def attention_program(rng: random.Random, g: torch.Generator, lookalike: bool) -
     dtype = rng.choice([torch.float32, torch.bfloat16])
     scaling = rng.choice(["mul", "div"])
     d = rng.choice([8, 16])
+    values = rng.choice(VALUE_CLASSES)
 
     def fn(q, k, v):
         scores = q @ k.transpose(-1, -2)
@@ -308,9 +346,15 @@ def attention_program(rng: random.Random, g: torch.Generator, lookalike: bool) -
         return torch.softmax(scores, dim=-1) @ v
 
     def make_inputs():
-        return [_randn(g, [2, 2, 8, d], dtype) for _ in range(3)]
+        q, k, v = (_randn(g, [2, 2, 8, d], dtype) for _ in range(3))
+        if values == "magnitudes":
+            q.mul_(4), k.mul_(4), v.mul_(MAGNITUDE[dtype][0])  # scores up to 16x: softmax near saturation
+        else:
+            with_values(values, g, [v])
+        return [q, k, v]
 
-    return Program(f"training attention ({scaling} by scale) {str(dtype)[6:]}", "softmax_grad", fn, make_inputs,
+    return Program(f"training attention ({scaling} by scale) {str(dtype)[6:]}"
+                   f"{'' if values == 'normal' else ', ' + values + ' values'}", "softmax_grad", fn, make_inputs,
                    must_fuse="softmax_grad_ext", grad_args=(0, 1, 2))
 
 
@@ -327,6 +371,10 @@ def mla_program(rng: random.Random, g: torch.Generator, lookalike: bool) -> Prog
     out_of_range = not lookalike and rng.random() < 0.25
     if mutation == "accumulate=True":
         write = "index_put_"
+    # repeated slots only where eager defines the result (index_put_: the last write wins); NaN not
+    # into w8a8 programs, whose quantization turns NaN into an unspecified int8
+    classes = [*VALUE_CLASSES, *(["repeated slots"] * 4 if write == "index_put_" and not out_of_range else [])]
+    values = rng.choice([c for c in classes if not (quant and c == "NaN")])
     cfg = dataclasses.replace(MLA, rope_style=style)
 
     class Variant(DeepSeekMLA):
@@ -359,11 +407,17 @@ def mla_program(rng: random.Random, g: torch.Generator, lookalike: bool) -> Prog
         if out_of_range:
             slots = slots.clone()
             slots[-1] = cfg.num_blocks * cfg.block_size
+        if values == "repeated slots":
+            slots = slots.clone()
+            slots[-1] = slots[0]  # two tokens write one slot: the later one's row stays
+        elif values in ("magnitudes", "NaN"):
+            with_values(values, g, [x])
         cache = torch.randn(cfg.num_blocks, cfg.block_size, 1, cfg.kv_lora + cfg.rope, generator=g).to(torch.bfloat16)
         return [x, cos, sin, slots, cache, context]
 
     name = (f"MLA prologue {'w8a8' if quant else 'bf16'} {style} rope, {write} cache write, T={tokens}"
-            f"{', a slot out of range' if out_of_range else ''}{f' LOOK-ALIKE: {mutation}' if mutation else ''}")
+            f"{', a slot out of range' if out_of_range else ''}{'' if values == 'normal' else ', ' + values}"
+            f"{f' LOOK-ALIKE: {mutation}' if mutation else ''}")
     return Program(name, "mla_preprocess", lambda *a: model(*a), make_inputs,
                    must_fuse=None if lookalike else "mla_preprocess",
                    must_not_fuse="mla_preprocess" if lookalike else None, exact=False, rtol=0.05 if quant else 0.02)

@@ -30,3 +30,11 @@ def make_inputs(tokens=5, hidden=2048, heads=2, dtype=torch.bfloat16, cache_mode
     if cache_mode == 2:
         a["ctkv_scale"] = torch.tensor([4.0], dtype=dtype); a["q_nope_scale"] = r(heads, lo=0.5, hi=2).to(dtype)
     return a, dict(cache_mode=cache_mode, quant_mode=quant_mode)
+
+
+def positional_and_keywords(a: dict) -> tuple:
+    """The op's required arguments of ``a`` in schema order, and the rest by name."""
+    from npu_fuse_backend.lowering.ops.mla_preprocess import ARGUMENTS
+
+    required = [name for name, _, has_default, _ in ARGUMENTS if not has_default]
+    return [a[n] for n in required], {k: v for k, v in a.items() if k not in required}

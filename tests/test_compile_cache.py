@@ -51,23 +51,28 @@ def step(backend, train, config):
             grad, q.grad = q.grad, None
             rope(q, cos, sin).sum().backward()
             ok = ok and torch.allclose(grad, q.grad, atol=1e-5)
+    keys_after_step = stash_keys()
+    counted = {k: v for k, v in counters["npu_fuse"].items() if v}  # before get_reports() drains anything
     reports = npu_fuse.get_reports()
     return {"reports": [{"kind": r.kind, "fused": [m.op for m in r.matches], "from_cache": r.from_cache}
                         for r in reports],
             "aot": dict(counters["aot_autograd"]), "stash_keys_after_compile": keys_after_compile,
+            "stash_keys_after_step": keys_after_step, "counted": counted,
             "stash_keys_after_reports": stash_keys(), "ok": ok}
 
 print(json.dumps([step(**spec) for spec in json.loads(sys.argv[1])]))
 """
 
 
-def compile_in_fresh_process(cache_dir, steps: list) -> list:
-    """Each step: {"backend", "train", "config"}; its result: reports, AOTAutograd counters..."""
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), NPU_FUSE_FALLBACK="inductor")
+def compile_in_fresh_process(cache_dir, steps: list, **env_extra) -> list:
+    """Each step: {"backend", "train", "config"}; its result: reports, AOTAutograd counters...
+    (the process's stderr with the last one, under "stderr")."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), NPU_FUSE_FALLBACK="inductor", **env_extra)
     done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(steps)], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
     assert all(r["ok"] for r in results), "a compiled result differs from eager"
+    results[-1]["stderr"] = done.stderr
     return results
 
 
@@ -80,10 +85,10 @@ def runs(tmp_path_factory):
     """A cold process (plain inductor, then npu_fuse inference and training), then a warm one
     on the same cache directory (the same compiles, and two config changes)."""
     cache = tmp_path_factory.mktemp("inductor_cache")
-    cold = compile_in_fresh_process(cache, [step("inductor"), step(), step(train=True)])
+    cold = compile_in_fresh_process(cache, [step("inductor"), step(), step(train=True), step(train=True)])
     warm = compile_in_fresh_process(cache, [step(), step(soc="Ascend950"), step(disabled_fusions=["rope"]),
-                                            step(train=True)])
-    return {"plain_cold": cold[0], "cold": cold[1], "train_cold": cold[2],
+                                            step(train=True)], TORCH_LOGS="npu_fuse_backend.graphs")
+    return {"plain_cold": cold[0], "cold": cold[1], "train_cold": cold[2], "train_in_process": cold[3],
             "warm": warm[0], "soc_changed": warm[1], "rope_disabled": warm[2], "train_warm": warm[3]}
 
 
@@ -140,7 +145,7 @@ def test_cache_key_follows_registered_fusions_and_the_graph_pass(monkeypatch):
     base = uuid()
 
     class NoOpFusion(FusionPass):
-        name = family = "no_op_test_fusion"
+        name = "no_op_test_fusion"
 
         def find(self, ctx):
             return []
@@ -154,8 +159,8 @@ def test_cache_key_follows_registered_fusions_and_the_graph_pass(monkeypatch):
 
 def test_cache_key_hashes_every_source_file_of_the_package():
     sources = _package_sources()
-    for name in ("npu_fuse_backend.fusion", "npu_fuse_backend.passes.rope", "npu_fuse_backend.lowering.ops.rotary_mul",
-                 "npu_fuse_backend.lowering.fallback", "npu_fuse_backend.converters.rotary_mul"):
+    for name in ("npu_fuse_backend.fusion", "npu_fuse_backend.passes.rope", "npu_fuse_backend.lowering.ops.rope",
+                 "npu_fuse_backend.lowering.fallback", "npu_fuse_backend.converters.rope"):
         assert name in sources and sources[name].is_file(), name
 
 
@@ -183,3 +188,27 @@ def test_a_replayed_report_is_published_once_per_replay_and_its_live_stash_is_dr
     assert "from the compile cache" in reports[1].summary()
     counters["inductor"][key] += 1  # a later hit: the live stash is gone, so this one is a replay
     assert [r.from_cache for r in nf.get_reports()] == [False, True, True]
+
+
+@pytest.mark.parametrize("run", ["cold", "train_cold", "train_in_process", "warm", "train_warm", "rope_disabled"])
+def test_counters_and_reports_agree_after_every_step_and_no_report_stays_in_inductors_counters(runs, run):
+    """Cold, replayed from the FX/AOTAutograd cache of another process, replayed in process: the
+    counters are right without asking for the reports first, and nothing is left in counters["inductor"]."""
+    result = runs[run]
+    from_reports: dict = {}
+    for report in result["reports"]:
+        for op in report["fused"]:
+            from_reports[op] = from_reports.get(op, 0) + 1
+    assert result["counted"] == from_reports
+    assert result["stash_keys_after_step"] == 0
+
+
+def test_a_training_step_replayed_in_process_reports_both_graphs_from_the_cache(runs):
+    assert [(r["kind"], r["from_cache"]) for r in runs["train_in_process"]["reports"]] == \
+        [("forward", True), ("backward", True)]
+
+
+def test_graph_logging_on_a_warm_cache_says_why_there_is_no_graph(runs):
+    stderr = runs["train_warm"]["stderr"]
+    assert "comes from the compile cache: npu_fuse's passes did not run on it now" in stderr
+    assert "before npu_fuse's passes" in stderr  # the cache misses (config changes) log their graphs

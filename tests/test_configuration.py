@@ -12,15 +12,8 @@ from torch._dynamo.utils import counters
 
 import npu_fuse
 from conftest import assert_close, fused_ops
+from models import rope, rope_args
 from npu_fuse_backend import config
-
-
-def rope(q, cos, sin):
-    return q * cos + torch.cat((-q[..., 8:], q[..., :8]), -1) * sin
-
-
-def rope_args():
-    return torch.randn(2, 3, 4, 16), torch.randn(1, 3, 1, 16), torch.randn(1, 3, 1, 16)
 
 
 @pytest.fixture
@@ -188,10 +181,88 @@ def test_bad_inductor_mode_or_options_are_named(kwargs, message):
         torch.compile(rope, backend="npu_fuse", **kwargs)(*rope_args())
 
 
-@pytest.mark.parametrize("kwargs", [{"mode": "max-autotune"}, {"options": {"max_autotune": True}}])
+@pytest.mark.parametrize("kwargs", [{"mode": "fastest"}, {"options": {"max_autotune": True}}])
 def test_aot_eager_takes_no_mode_or_options(kwargs):
     with config.patch(fallback="aot_eager"), pytest.raises(Exception, match="aot_eager fallback .* takes only"):
         torch.compile(rope, backend="npu_fuse", **kwargs)(*rope_args())
+
+
+# -- NPU code, unchanged, off the NPU --------------------------------------------------------------
+NPU_ONLY = [  # torch.compile settings only an NPU lowering takes, and how the warning names them
+    ({"mode": "npugraph_ex"}, ["mode='npugraph_ex' (npugraph_ex's aclgraph capture)"]),
+    ({"options": {"experimental_config.frozen_parameter": True, "debug.graph_dump.type": "pbtxt",
+                  "frozen_parameter": True}},
+     ["options['experimental_config.frozen_parameter'] (a field of torchair's CompilerConfig)",
+      "options['debug.graph_dump.type'] (a field of torchair's CompilerConfig)",
+      "options['frozen_parameter'] (a field of npugraph_ex's CompilerConfig)"]),
+]
+
+
+def npu_setting_warnings(record) -> list:
+    from npu_fuse_backend.lowering.fallback import NpuSettingIgnored
+
+    return [str(w.message) for w in record if issubclass(w.category, NpuSettingIgnored)]
+
+
+@pytest.mark.parametrize("fallback", ["inductor", "aot_eager"])
+@pytest.mark.parametrize("kwargs, named", NPU_ONLY)
+def test_npu_only_settings_are_ignored_off_the_npu_with_one_warning(fallback, kwargs, named, recwarn):
+    if fallback == "inductor" and "options" in kwargs:
+        kwargs = {"options": {**kwargs["options"], "fx_graph_cache": False}}  # an inductor option beside them
+    args = rope_args()
+    with config.patch(fallback=fallback):
+        out = torch.compile(rope, backend="npu_fuse", **kwargs)(*args)
+    assert_close(out, rope(*args))
+    assert fused_ops(npu_fuse.get_reports()) == ["rotary_mul"]
+    (message,) = npu_setting_warnings(recwarn)
+    assert message.startswith(f"npu_fuse: no NPU found (torch_npu is not loaded), so the fallback {fallback} "
+                              "compiles this graph and ignores what only an NPU lowering takes: ")
+    assert message.endswith(", ".join(named))
+
+
+def test_the_warning_says_when_the_fallback_was_asked_for(recwarn):
+    with config.patch(fallback="aot_eager", lowering="fallback"):
+        torch.compile(rope, backend="npu_fuse", mode="npugraph_ex")(*rope_args())
+    (message,) = npu_setting_warnings(recwarn)
+    assert message.startswith("npu_fuse: config.lowering='fallback', so the fallback aot_eager compiles")
+
+
+def test_modes_inductor_has_keep_inductors_meaning(recwarn):
+    with config.patch(fallback="inductor"):
+        torch.compile(rope, backend="npu_fuse", mode="max-autotune-no-cudagraphs")(*rope_args())
+    assert npu_setting_warnings(recwarn) == []
+
+
+@pytest.mark.parametrize("fallback", ["inductor", "aot_eager"])
+def test_strict_makes_an_ignored_npu_setting_an_error(fallback):
+    with config.patch(fallback=fallback, strict=True), pytest.raises(
+            Exception, match=r"ignores what only an NPU lowering takes: mode='npugraph_ex' .*\(an error under "
+                             r"config.strict\)"):
+        torch.compile(rope, backend="npu_fuse", mode="npugraph_ex")(*rope_args())
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"options": {"frozen_paramter": True}},
+     r"options\['frozen_paramter'\] is not an inductor option \(did you mean \[.*'frozen_parameter'.*\]\?\); the "
+     r"options are torch._inductor.list_options\(\), .* and the fields of torchair's and npugraph_ex's CompilerConfig"),
+    ({"mode": "npugraph"}, r"mode='npugraph' is not an inductor mode; expected one of \[.*\] \(or an NPU lowering's, "
+                           r"ignored here: \['npugraph_ex'\]\)"),
+])
+def test_names_no_lowering_takes_stay_errors(kwargs, message):
+    with config.patch(fallback="inductor"), pytest.raises(Exception, match=message):
+        torch.compile(rope, backend="npu_fuse", **kwargs)(*rope_args())
+
+
+def test_the_npu_option_names_are_the_wheels(torchair):
+    """The fallback knows the NPU lowerings' option names without torch_npu: they must be the pinned wheel's."""
+    from npugraph_ex_offline import load_npugraph_ex_offline
+
+    from npu_fuse_backend.lowering import npu, npugraph_ex
+
+    assert set(npu.compiler_config_fields(torchair.CompilerConfig())) - {"mode"} == npu.TORCHAIR_OPTIONS
+    assert tuple(torchair.CompilerConfig().mode.optional) == npu.TORCHAIR_MODES
+    ng = load_npugraph_ex_offline()
+    assert set(npugraph_ex.compiler_config_fields(ng.CompilerConfig())) == npugraph_ex.NPUGRAPH_EX_OPTIONS
 
 
 # -- npu_fuse's own knobs ---------------------------------------------------------------
@@ -203,7 +274,7 @@ def test_aot_eager_takes_no_mode_or_options(kwargs):
      r"\(e.g. \['partial_rope'\]\), not a str"),
     ("disabled_fusions", ["rope", "ropee"],
      r"config.disabled_fusions=\['rope', 'ropee'\] \(env NPU_FUSE_DISABLE\): unknown fusion name\(s\) \['ropee'\]; "
-     r"registered fusions: \[.*'partial_rope', 'rope'"),
+     r"registered fusions: \[.*'partial_rope', 'rms_norm', 'rope'"),
     ("strict", "yes", r"config.strict='yes' \(env NPU_FUSE_STRICT\): must be True or False"),
 ])
 def test_bad_knob_values_are_named(knob, value, message):

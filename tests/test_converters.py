@@ -7,20 +7,13 @@ import torch
 import npu_fuse_backend as nf
 from ge_conformance import check_graph, input_copies
 from torchair_offline import ge_graphs_of, op_types, torchair_dir
+from models import attention, gptj, rotate_every_two, rotate_half
 
 pytestmark = pytest.mark.skipif(not (torchair_dir() / "torchair").is_dir(),
                                 reason="torchair not fetched: run `make test`")
 
 ROTATE_HALF_OPS = {"StridedSliceV2", "Neg", "ConcatV2"}
 SOCS = ["generic", "Ascend910B", "Ascend910_93", "Ascend950"]
-
-
-def rotate_half(x):
-    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
-
-
-def rotate_every_two(x):
-    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
 
 
 def rope_qk(rotate):
@@ -132,10 +125,6 @@ def test_rotary_mul_grad_needs_static_shapes():
     assert "RotaryMulGrad" not in op_types(bw) and len(ops_of(bw, "RotaryPositionEmbeddingGrad")) == 1
 
 
-def attention(q, k, v):
-    return torch.softmax((q @ k.transpose(-1, -2)) * 0.125, dim=-1) @ v
-
-
 def test_softmax_backward_on_ascend950_becomes_one_softmax_grad_ext():
     qkv = [torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3)]
     fw, bw = converted(attention, *qkv, soc="Ascend950")
@@ -164,11 +153,6 @@ def test_a_direct_softmax_grad_ext_call_off_ascend950_converts_to_ops_every_soc_
     (graph,) = converted(fn, torch.randn(2, 8), torch.softmax(torch.randn(2, 8), -1), torch.full((1,), 0.5),
                          soc=soc)
     assert "SoftmaxGradExt" not in op_types(graph) and {"SoftmaxGrad", "Mul"} <= set(op_types(graph))
-
-
-def gptj(q, cos, sin):
-    q_rot, q_pass = q[..., :64], q[..., 64:]
-    return torch.cat([q_rot * cos + rotate_every_two(q_rot) * sin, q_pass], -1) * 2
 
 
 @pytest.mark.parametrize("soc", ["generic", "Ascend910B", "Ascend910_93"])

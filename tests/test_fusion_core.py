@@ -6,19 +6,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import npu_fuse_backend as nf
 from conftest import assert_close, compile_fused, fused_ops, near_miss_reasons
+from models import rope, rope_args
 from npu_fuse_backend import fusion
 from npu_fuse_backend.canonicalize import canonicalize
 from npu_fuse_backend.lowering import registry
 
 aten = torch.ops.aten
-
-
-def rope(q, cos, sin):
-    return q * cos + torch.cat((-q[..., 8:], q[..., :8]), -1) * sin
-
-
-def rope_args():
-    return torch.randn(2, 3, 4, 16), torch.randn(1, 3, 1, 16), torch.randn(1, 3, 1, 16)
 
 
 def targets(gm) -> list:
@@ -83,22 +76,72 @@ def test_clone_that_changes_strides_stays():
 
 # -- pass order ---------------------------------------------------------------------------------
 def _pass(name, before=()):
-    return type(name, (fusion.FusionPass,), {"name": name, "family": name, "runs_before": before})
+    return type(name, (fusion.FusionPass,), {"name": name, "runs_before": before})
 
 
-def test_passes_run_in_the_order_their_runs_before_declares():
-    order = fusion.ordered({"b": _pass("b"), "a": _pass("a", ("c",)), "c": _pass("c", ("b",))})
-    assert [cls.name for cls in order] == ["a", "c", "b"]
-
-
-def test_the_real_passes_put_the_larger_subgraphs_first():
+def test_the_built_in_passes_run_in_the_order_of_the_one_list():
     names = [cls.name for cls in fusion.ordered(fusion.registered_fusions())]
-    assert names.index("mla_preprocess") < names.index("partial_rope") < names.index("rope")
+    assert names == list(fusion.PASS_ORDER)
+    # each claims subgraphs that contain what the later ones match
+    assert names.index("mla_preprocess") < names.index("partial_rope") < names.index("interleave_rope") \
+        < names.index("rope")
+
+
+def test_a_registered_pass_runs_after_the_built_in_ones_in_registration_order():
+    fusions = {**fusion.registered_fusions(), "z_user": _pass("z_user"), "a_user": _pass("a_user")}
+    names = [cls.name for cls in fusion.ordered(fusions)]
+    assert names == [*fusion.PASS_ORDER, "z_user", "a_user"]
+
+
+def test_a_registered_pass_runs_just_before_the_first_pass_its_runs_before_names():
+    fusions = {**fusion.registered_fusions(), "mine": _pass("mine", ("softmax_grad", "rope"))}
+    names = [cls.name for cls in fusion.ordered(fusions)]
+    assert names.index("mine") == names.index("rope") - 1 and len(names) == len(fusion.PASS_ORDER) + 1
+    order = fusion.ordered({"b": _pass("b"), "a": _pass("a", ("c",)), "c": _pass("c", "b")})
+    assert [cls.name for cls in order] == ["a", "c", "b"]
 
 
 def test_cyclic_order_is_an_error_naming_the_passes():
     with pytest.raises(ValueError, match="cyclic runs_before"):
         fusion.ordered({"a": _pass("a", ("b",)), "b": _pass("b", ("a",))})
+
+
+def test_runs_before_an_unknown_pass_is_an_error_naming_it():
+    with pytest.raises(ValueError, match=r"runs before \['ropee'\]"):
+        fusion.ordered({"a": _pass("a", "ropee")})
+
+
+def test_a_built_in_pass_missing_from_the_order_list_is_an_error(monkeypatch):
+    unlisted = type("Unlisted", (fusion.FusionPass,), {"name": "unlisted", "__module__": "npu_fuse_backend.passes.x"})
+    with pytest.raises(ValueError, match=r"\['unlisted'\] missing from fusion.PASS_ORDER"):
+        fusion.ordered({**fusion.registered_fusions(), "unlisted": unlisted})
+
+
+def test_the_old_name_of_interleave_rope_disables_it_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning, match="'rope_interleave' is deprecated; use 'interleave_rope'"):
+        assert fusion.canonical_fusion_names(["rope", "rope_interleave"]) == ["rope", "interleave_rope"]
+
+
+# -- the config a manager runs with ------------------------------------------------------------
+def test_the_manager_runs_with_the_settings_it_receives_not_the_config_now():
+    gm = make_fx(rope, tracing_mode="fake")(*rope_args())
+    disabled = fusion.FusionSettings(disabled_fusions=frozenset({"rope"}))
+    with nf.config.patch(disabled_fusions=[]):
+        assert nf.run_fusion_passes(gm, settings=disabled).matches == []
+    with nf.config.patch(disabled_fusions=["rope"]):
+        manager = fusion.PassManager(settings=fusion.FusionSettings())
+        assert fused_ops([manager(gm)]) == ["rotary_mul"]
+
+
+def test_settings_from_config_are_a_checked_snapshot():
+    with nf.config.patch(soc="Ascend950", disabled_fusions=["rope_interleave"], strict=True,
+                         translation_validation=False), pytest.warns(DeprecationWarning):
+        settings = fusion.FusionSettings.from_config()
+    assert settings == fusion.FusionSettings(soc="Ascend950", disabled_fusions=frozenset({"interleave_rope"}),
+                                             strict=True, translation_validation=False)
+    with nf.config.patch(soc="Ascend9000"), pytest.raises(ValueError, match=r"config.soc='Ascend9000' \(env "
+                                                                            r"NPU_FUSE_SOC\): expected one of"):
+        fusion.FusionSettings.from_config()
 
 
 # -- the checks every rewrite goes through ------------------------------------------------------
@@ -144,7 +187,7 @@ def test_a_refused_rewrite_whose_outputs_share_one_replacement_restores_every_us
         return a + 1, b - 1, a * b
 
     class Shared(fusion.FusionPass):
-        name = family = "shared_outputs"
+        name = "shared_outputs"
         op = "test"
         anchor_targets = (aten.mul.Tensor,)
 

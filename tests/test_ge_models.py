@@ -7,7 +7,7 @@ import torch
 
 import npu_fuse_backend as nf
 from ge_conformance import check_graph, input_copies
-from npu_fuse_backend.demo_models import DecoderConfig, GPTJModel, LlamaModel
+from models import attention, tiny_gptj as gptj, tiny_llama
 from torchair_offline import ge_graphs_of, torchair_dir
 
 pytestmark = pytest.mark.skipif(not (torchair_dir() / "torchair").is_dir(),
@@ -15,19 +15,11 @@ pytestmark = pytest.mark.skipif(not (torchair_dir() / "torchair").is_dir(),
 
 
 def llama():
-    return LlamaModel(DecoderConfig(hidden=64, heads=2, kv_heads=1, head_dim=64, intermediate=64))
-
-
-def gptj():
-    return GPTJModel(DecoderConfig(hidden=64, heads=2, kv_heads=2, head_dim=32, intermediate=64, rotary_dim=16))
+    return tiny_llama(heads=2, kv_heads=1, head_dim=64)
 
 
 def hidden():
     return torch.randn(1, 8, 64), torch.arange(8)[None]
-
-
-def attention(q, k, v):
-    return torch.softmax((q @ k.transpose(-1, -2)) * 0.125, dim=-1) @ v
 
 
 def attention_inputs():
@@ -52,14 +44,16 @@ def deepseek_v3_inputs(dtype=torch.bfloat16, grad=False):
     return make
 
 
+NORMS = ["rms_norm", "add_rms_norm", "add_rms_norm"]  # a Llama layer's: the embeddings', the residuals'
 ROPE_TRAIN = {"forward": ["rotary_mul"] * 2, "backward": ["rotary_mul_backward"] * 2}
+LLAMA_TRAIN = {**ROPE_TRAIN, "forward": ["rotary_mul"] * 2 + NORMS}
 PARTIAL = ["inplace_partial_rotary_mul"] * 2
 CASES = {  # name: (function maker, inputs, training, {soc: {graph kind: fused ops}})
-    "llama-inference": (llama, hidden, False, {soc: {"inference": ["rotary_mul"] * 2} for soc in
+    "llama-inference": (llama, hidden, False, {soc: {"inference": ["rotary_mul"] * 2 + NORMS} for soc in
                                                ("generic", "Ascend910B", "Ascend950")}),
     "llama-training": (llama, hidden, True, {
-        "generic": ROPE_TRAIN, "Ascend910B": ROPE_TRAIN,
-        "Ascend950": {**ROPE_TRAIN, "backward": ["rotary_mul_backward"] * 2 + ["softmax_grad_ext"]}}),
+        "generic": LLAMA_TRAIN, "Ascend910B": LLAMA_TRAIN,
+        "Ascend950": {**LLAMA_TRAIN, "backward": ["rotary_mul_backward"] * 2 + ["softmax_grad_ext"]}}),
     # GPT-J's [B, S, 1, rot] tables with B = 1 are no Ascend950 layout of InplacePartialRotaryMul (BSND,
     # B1ND, B11D, 111D): there the rotation of the slice fuses alone
     "gptj-inference": (gptj, hidden, False, {"generic": {"inference": PARTIAL}, "Ascend910B": {"inference": PARTIAL},

@@ -1,11 +1,12 @@
 """No copy of a mutated graph input: the in-place partial RoPE on a graph input, on the GE graph after
-torchair's GE passes (the decision and its evidence: converters/inplace_partial_rotary_mul.py)."""
+torchair's GE passes (the decision and its evidence: converters/partial_rope.py)."""
 
 import pytest
 import torch
 
 import npu_fuse_backend as nf
 from conftest import assert_close
+from models import rotate_every_two
 from ge_conformance import check_graph, input_copies
 from torchair_offline import ge_graphs_of, op_types, torchair_dir
 
@@ -13,10 +14,6 @@ pytestmark = pytest.mark.skipif(not (torchair_dir() / "torchair").is_dir(),
                                 reason="torchair not fetched: run `make test`")
 
 SOCS = ["generic", "Ascend910B", "Ascend910_93", "Ascend950"]
-
-
-def rotate_every_two(x):
-    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
 
 
 def assign_slice(x, cos, sin):

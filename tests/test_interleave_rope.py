@@ -9,15 +9,12 @@ from torch.library import opcheck
 
 import npu_fuse_backend as nf
 from conftest import assert_close, compile_fused, fused_ops, near_miss_reasons
+from models import rotate_half
 from npu_fuse_backend import fusion
-from npu_fuse_backend.lowering.ops.interleave_rope import interleave_rope_limits
+from npu_fuse_backend.lowering.registry import SOC_LIMITS
 
 interleave_rope = torch.ops.npu_fuse.interleave_rope
 interleave_rope_backward = torch.ops.npu_fuse.interleave_rope_backward
-
-
-def rotate_half(x):
-    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
 
 
 # -- the two ways real code writes it ------------------------------------------------------
@@ -129,7 +126,7 @@ def test_argument_errors_name_the_rule(change, message):
 ])
 def test_soc_limits(soc, dtype, x_shape, cos_shape, op, reason):
     x, cos = torch.empty(x_shape, dtype=dtype), torch.empty(cos_shape, dtype=dtype)
-    got = interleave_rope_limits(soc, x, cos, cos, op=op)
+    got = SOC_LIMITS[getattr(torch.ops.npu_fuse, op).default](soc, x, cos, cos)
     if reason is None:
         assert got is None
     else:
@@ -274,13 +271,20 @@ def test_a2_a3_limits_become_near_misses_naming_the_kernel():
 
 def test_mla_prologue_pass_runs_first():
     order = [cls.name for cls in fusion.ordered(fusion.registered_fusions())]
-    assert order.index("mla_preprocess") < order.index("rope_interleave") < order.index("rope")
+    assert order.index("mla_preprocess") < order.index("interleave_rope") < order.index("rope")
 
 
 def test_disabled_by_name():
     q, k, cos, sin = qk_inputs()
-    _, reports = compile_fused(reference_interleave, q, k, cos, sin, disabled_fusions=["rope_interleave"])
+    _, reports = compile_fused(reference_interleave, q, k, cos, sin, disabled_fusions=["interleave_rope"])
     assert fused_ops(reports) == ["rotary_mul", "rotary_mul"]  # the half rotation alone, as before
+
+
+def test_disabled_by_its_old_name_with_a_deprecation_warning():
+    q, k, cos, sin = qk_inputs()
+    with pytest.warns(DeprecationWarning, match="'rope_interleave' is deprecated; use 'interleave_rope'"):
+        _, reports = compile_fused(reference_interleave, q, k, cos, sin, disabled_fusions=["rope_interleave"])
+    assert fused_ops(reports) == ["rotary_mul", "rotary_mul"]
 
 
 # -- the GE converter (torchair's real FX->GE conversion, offline) ------------------------------------

@@ -11,22 +11,11 @@ from torch.library import opcheck
 
 import npu_fuse_backend as nf
 from conftest import assert_close, compile_fused, fused_ops, near_miss_reasons
+from models import probs, rotate_every_two, rotate_half
 from npu_fuse_backend import fusion
 
 ops = torch.ops.npu_fuse
 aten = torch.ops.aten
-
-
-def probs(*shape, dtype=torch.float32):
-    return torch.randn(*shape).softmax(-1).to(dtype)
-
-
-def rotate_half(x):
-    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), -1)
-
-
-def rotate_every_two(x):
-    return torch.stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)
 
 
 # -- 1. a one-element scale of higher rank broadcasts the result --------------------------------
@@ -171,7 +160,7 @@ def test_fused_rope_on_a_transposed_view_keeps_the_layout_later_views_need():
 def test_a_replacement_with_other_strides_under_a_view_is_refused():
     """The core's layout check, with a pass whose replacement changes the output's strides."""
     class ContiguousCopy(fusion.FusionPass):
-        name = family = "contiguous_copy"
+        name = "contiguous_copy"
         anchor_targets = (aten.mul.Tensor,)
 
         def match(self, ctx, anchor):
@@ -218,7 +207,7 @@ def test_zero_size_inputs_are_near_misses(fn, shapes):
 
 def test_mla_prologue_of_zero_tokens_is_a_near_miss_with_the_ops_rule():
     from npu_fuse_backend.demo_models import DeepSeekMLA, MLAConfig, mla_decode_inputs
-    from test_mla_fusion import projections_and_rope
+    from test_mla_preprocess import projections_and_rope
 
     class Prologue(DeepSeekMLA):
         def forward(self, x, cos, sin, slot_mapping, kv_cache):
@@ -244,7 +233,7 @@ def test_an_op_rejecting_what_a_pass_built_is_a_near_miss_with_the_ops_rule(monk
     """A fused op's argument check failing on the call a rewrite builds refuses that rewrite."""
     from npu_fuse_backend.passes import rope
 
-    monkeypatch.setattr(rope.RotaryMulFusion, "_check", staticmethod(lambda *args: None))
+    monkeypatch.setattr(rope.RopeFusion, "_check", staticmethod(lambda *args: None))
     args = [torch.randn(shape, dtype=torch.float64) for shape in ((2, 5, 3, 8), (1, 5, 1, 8), (1, 5, 1, 8))]
     out, reports = compile_fused(_rope, *args, strict=True)
     assert fused_ops(reports) == []

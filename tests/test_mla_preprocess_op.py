@@ -5,7 +5,7 @@ import torch
 from torch.library import opcheck
 
 from npu_fuse_backend.lowering.ops import mla_preprocess as M
-from mla_inputs import make_inputs
+from mla_inputs import make_inputs, positional_and_keywords
 
 MODES = [(cache, quant, quantized) for cache in range(4) for quant, quantized in ((0, True), (1, True), (0, False))]
 
@@ -84,8 +84,7 @@ def golden(a, cache_mode, quant_mode, eps=1e-6):
 
 
 def run_op(a, kw):
-    args = [a[n] for n in M.ARG_NAMES]
-    extra = {k: v for k, v in a.items() if k not in M.ARG_NAMES}
+    args, extra = positional_and_keywords(a)
     return M.mla_preprocess(*args, **extra, **kw)
 
 
@@ -129,9 +128,8 @@ def test_every_stage_and_output_matches_the_golden(cache_mode, quant_mode, quant
 @pytest.mark.parametrize("cache_mode", range(4))
 def test_opcheck(cache_mode):
     a, kw = make_inputs(cache_mode=cache_mode)
-    args = tuple(a[n] for n in M.ARG_NAMES)
-    extra = {k: v for k, v in a.items() if k not in M.ARG_NAMES}
-    opcheck(torch.ops.npu_fuse.mla_preprocess.default, args, {**extra, **kw})
+    args, extra = positional_and_keywords(a)
+    opcheck(torch.ops.npu_fuse.mla_preprocess.default, tuple(args), {**extra, **kw})
 
 
 def _broken(**changes):

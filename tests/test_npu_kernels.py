@@ -16,7 +16,7 @@ import torch
 import npu_fuse  # noqa: F401  (defines the npu_fuse:: ops)
 from conftest import assert_close
 from npu_fuse_backend.lowering import registry
-from npu_fuse_backend.lowering.rope_math import rotate
+from npu_fuse_backend.lowering.common import rotate
 from torchair_offline import TORCH_NPU_DIR
 
 SCHEMAS = TORCH_NPU_DIR / "torch_npu" / "csrc" / "aten" / "npu_native_functions_by_codegen.yaml"
@@ -25,7 +25,8 @@ pytestmark = pytest.mark.skipif(not SCHEMAS.is_file(), reason="torch_npu not fet
 fused = torch.ops.npu_fuse
 WITH_KERNELS = {fused.rotary_mul.default, fused.rotary_mul_backward.default, fused.softmax_grad_ext.default,
                 fused.inplace_partial_rotary_mul.default, fused.inplace_partial_rotary_mul_backward.default,
-                fused.interleave_rope.default, fused.mla_preprocess.default}  # mla_preprocess's: tests/test_mla_preprocess_op.py
+                fused.interleave_rope.default, fused.mla_preprocess.default,  # mla's: tests/test_mla_preprocess_op.py
+                fused.rms_norm.default, fused.add_rms_norm.default, fused.rms_norm_backward.default}
 
 
 def torch_npu_schemas() -> dict:
@@ -52,8 +53,25 @@ def _interleave_rope(x, cos, sin):  # README of InterleaveRope: de-interleave th
     return pairs * cos + rotate(pairs, "half") * sin
 
 
+def _rms_norm(x, gamma, epsilon=1e-6):  # ops-nn RmsNorm golden
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + epsilon)
+    return (x.float() * rstd * gamma.float()).to(x.dtype), rstd
+
+
+def _add_rms_norm(x1, x2, gamma, epsilon=1e-6):
+    y, rstd = _rms_norm(x1 + x2, gamma, epsilon)
+    return y, rstd, x1 + x2
+
+
+def _rms_norm_backward(dy, x, gamma, rstd):
+    xf, g = x.float(), dy.float() * gamma.float()
+    dx = rstd * g - xf * rstd.pow(3) * (g * xf).mean(-1, keepdim=True)
+    return dx.to(x.dtype), (dy.float() * xf * rstd).sum_to_size(gamma.shape)
+
+
 REFERENCES = {"npu_rotary_mul": _rotary_mul, "npu_rotary_mul_backward": _rotary_mul_backward,
-              "npu_interleave_rope": _interleave_rope}
+              "npu_interleave_rope": _interleave_rope, "npu_rms_norm": _rms_norm, "npu_add_rms_norm": _add_rms_norm,
+              "npu_rms_norm_backward": _rms_norm_backward}
 SCALAR_TYPES = {"str": str, "int": int, "bool": bool, "float": (float, int)}
 
 
@@ -189,3 +207,23 @@ def test_interleave_rope_kernel(as_npu, npu_namespace, soc, monkeypatch):
         got = kernel(as_npu, fused.interleave_rope.default)(x, cos, sin)
     assert len(calls) == (1 if soc == "Ascend910B" else 0)
     assert_close(got, fused.interleave_rope(x, cos, sin), torch.bfloat16)
+
+
+def test_the_rms_norm_kernels_call_torch_npus_ops_with_their_schemas(as_npu, npu_namespace):
+    _, schemas = npu_namespace
+    assert schemas["npu_rms_norm"] == "npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)"
+    assert schemas["npu_add_rms_norm"].startswith("npu_add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon")
+    assert schemas["npu_rms_norm_backward"] == ("npu_rms_norm_backward(Tensor dy, Tensor self, Tensor gamma, "
+                                                "Tensor rstd) -> (Tensor, Tensor)")
+    x, x2, gamma = torch.randn(2, 3, 16), torch.randn(2, 3, 16), torch.randn(16)
+    for got, want in zip(kernel(as_npu, fused.rms_norm.default)(x, gamma, 1e-5), fused.rms_norm(x, gamma, 1e-5)):
+        assert_close(got, want)
+    for got, want in zip(kernel(as_npu, fused.add_rms_norm.default)(x, x2, gamma), fused.add_rms_norm(x, x2, gamma)):
+        assert_close(got, want)
+    _, rstd = fused.rms_norm(x, gamma)
+    dy = torch.randn_like(x)
+    for got, want in zip(kernel(as_npu, fused.rms_norm_backward.default)(dy, x, gamma, rstd),
+                         fused.rms_norm_backward(dy, x, gamma, rstd)):
+        assert_close(got, want)
+    with pytest.raises(ValueError, match="gamma dtype"):
+        kernel(as_npu, fused.rms_norm.default)(x, gamma.half())

@@ -44,8 +44,8 @@ def test_wheel_has_only_the_projects_own_top_level_names(installed):
     (wheel,) = (installed.parent / "wheels").glob("npu_fuse-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert top_level_names(names) == {"npu_fuse", "npu_fuse_backend"}
-    assert "npu_fuse_backend/lowering/ops/rotary_mul.py" in names
-    assert "npu_fuse_backend/converters/rotary_mul.py" in names
+    assert "npu_fuse_backend/lowering/ops/rope.py" in names
+    assert "npu_fuse_backend/converters/rope.py" in names
     importable = {p.name for p in installed.iterdir() if p.suffix != ".dist-info" and p.name != "bin"}
     assert importable == {"npu_fuse", "npu_fuse_backend"}
 
@@ -81,3 +81,26 @@ def test_a_users_lowering_and_converters_cannot_shadow_ours(installed, tmp_path)
     result = subprocess.run([sys.executable, "train.py"], cwd=user, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "ok"
+
+
+def test_wheel_ships_type_information_and_the_zoo_extra(installed):
+    (wheel,) = (installed.parent / "wheels").glob("npu_fuse-*.whl")
+    archive = zipfile.ZipFile(wheel)
+    assert {"npu_fuse/py.typed", "npu_fuse_backend/py.typed"} <= set(archive.namelist())  # PEP 561
+    (metadata,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+    requires = [line for line in archive.read(metadata).decode().splitlines() if line.startswith("Requires-Dist:")]
+    assert "Requires-Dist: transformers==5.23.0; extra == \"zoo\"" in requires
+    assert "Requires-Dist: transformers==5.23.0; extra == \"test\"" in requires
+    assert not any(line.startswith("Requires-Dist: transformers") and "extra" not in line for line in requires)
+
+
+def test_an_uninstalled_checkout_says_to_install_it(tmp_path):
+    """lowering/ and converters/ join the package only when installed: importing the package from a
+    checkout's folder says so (not Python's "most likely due to a circular import")."""
+    shutil.copytree(REPO / "npu_fuse_backend", tmp_path / "npu_fuse_backend", ignore=NOT_SOURCES)
+    not_installed = "import sys; sys.meta_path = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]"
+    result = subprocess.run([sys.executable, "-c", f"{not_installed}; import npu_fuse_backend"], cwd=tmp_path,
+                            capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "npu_fuse_backend.lowering is not installed" in result.stderr and "pip install -e ." in result.stderr
+    assert "circular import" not in result.stderr

@@ -12,7 +12,8 @@ import torch
 import npu_fuse_backend as nf
 from conftest import compile_fused
 from npu_fuse_backend import demo_models
-from npu_fuse_backend.demo_models import DecoderConfig, LlamaModel
+from models import tiny_llama
+from npu_fuse_backend.demo_models import LlamaModel
 from npu_fuse_backend.report import module_path
 
 
@@ -22,12 +23,8 @@ def line_of(fn, text: str) -> str:
     return f"{inspect.getsourcefile(fn)}:{first + offset}"
 
 
-def tiny_llama(layers=2):
-    return LlamaModel(DecoderConfig(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=64, layers=layers))
-
-
 def test_matches_name_the_model_line_module_and_frame_in_forward_and_backward():
-    model = tiny_llama()
+    model = tiny_llama(layers=2)
     x, pos = torch.randn(2, 8, 64), torch.arange(8).expand(2, 8)
     out, _ = compile_fused(model, x, pos)
     out.sum().backward()
@@ -48,14 +45,16 @@ def test_matches_name_the_model_line_module_and_frame_in_forward_and_backward():
 
 
 def test_summary_groups_by_module():
-    model = tiny_llama()
+    model = tiny_llama(layers=2)
     with torch.no_grad():
         _, (report,) = compile_fused(model, torch.randn(2, 8, 64), torch.arange(8).expand(2, 8))
     lines = report.summary().splitlines()
     assert lines[0].startswith("graph ") and "[0/0] forward" in lines[0]
     headers = [line.strip() for line in lines[1:] if not line.startswith("    ")]
-    assert headers == ["layers.0.self_attn:", "layers.1.self_attn:"]
-    block = lines[lines.index("  layers.1.self_attn:") + 1:]
+    assert headers == ["layers.0.self_attn:", "layers.1.self_attn:", "layers.0.input_layernorm:", "layers.0:",
+                       "layers.1:"]  # the RMSNorms: the first in its module, the others with their residual adds
+    start = lines.index("  layers.1.self_attn:") + 1
+    block = lines[start:lines.index("  layers.0.input_layernorm:")]
     assert len(block) == 2 and all(line.startswith("    fused rotary_mul at ") for line in block)
     assert "demo_models.py:" in block[0]
 

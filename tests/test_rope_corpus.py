@@ -264,8 +264,8 @@ FORMS = {  # name: (fn, make args, indices of the inputs that get gradients, for
     "DeepSeek-V2 split q_pe, complex": (
         deepseek_v2_split_complex,
         lambda: (torch.randn(2, 4, 6, 24, dtype=torch.bfloat16), torch.randn(2, 1, 6, 16, dtype=torch.bfloat16),
-                 torch.polar(torch.ones(2, 6, 8), torch.rand(2, 6, 8) * 3)), (0, 1), {"rotary_mul": 2},
-        {"rotary_mul": 2}),
+                 torch.polar(torch.ones(2, 6, 8), torch.rand(2, 6, 8) * 3)), (0, 1),
+        {"inplace_partial_rotary_mul": 1, "rotary_mul": 1}, {"inplace_partial_rotary_mul": 1, "rotary_mul": 1}),
 }
 
 

@@ -6,18 +6,11 @@ import torch
 
 import npu_fuse_backend as nf
 from conftest import assert_close, compile_fused, fused_ops, near_miss_reasons
+from models import rotate_every_two, rotate_half
 from npu_fuse_backend import soc as soc_module
-from npu_fuse_backend.lowering.registry import SOC_LIMITS
+from npu_fuse_backend.lowering.registry import SOC_LIMITS, soc_refusal
 
 rotary_mul = torch.ops.npu_fuse.rotary_mul.default
-
-
-def rotate_half(x):
-    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
-
-
-def rotate_every_two(x):
-    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
 
 
 def rope(rotate):
@@ -73,10 +66,10 @@ def test_the_backward_has_the_forward_limits():
 
 
 def test_softmax_grad_ext_runs_on_ascend950_only():
-    limits = SOC_LIMITS[torch.ops.npu_fuse.softmax_grad_ext.default]
-    g = torch.empty(2, 8, device="meta")
-    assert "Ascend950 only" in limits("Ascend910_93", g, g, g)
-    assert limits("Ascend950", g, g, g) is None and limits("generic", g, g, g) is None
+    op, g = torch.ops.npu_fuse.softmax_grad_ext.default, torch.empty(2, 8, device="meta")
+    assert "Ascend950 only" in soc_refusal(op, "Ascend910_93", g, g, g)
+    assert soc_refusal(op, "Ascend950", g, g, g) is None and soc_refusal(op, "generic", g, g, g) is None
+    assert "unrecognised NPU" in soc_refusal(op, "Ascend310P3", g, g, g)  # an op without limits is asked too
 
 
 def test_partial_rope_layouts_are_the_ops_limits():

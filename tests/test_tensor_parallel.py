@@ -13,13 +13,10 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 from torch import nn
+from models import rotate_half
 
 WORLD = 2
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, SEQ = 64, 4, 2, 16, 8
-
-
-def rotate_half(x):
-    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
 
 
 class Attention(nn.Module):

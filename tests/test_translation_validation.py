@@ -10,36 +10,26 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import npu_fuse_backend as nf
 from conftest import assert_close, compile_fused, fused_ops, near_miss_reasons
+import models
+from models import rope, rotate_every_two
 from npu_fuse_backend import fusion, validate
 from npu_fuse_backend.demo_models import DeepSeekMLA, MLAConfig
 from npu_fuse_backend.passes.mla_preprocess import MlaPreprocessFusion
-from npu_fuse_backend.passes.partial_rope import PartialRotaryFusion
-from npu_fuse_backend.passes.rope import RotaryMulFusion
-from npu_fuse_backend.passes.softmax_grad import SoftmaxGradExtFusion
-from test_mla_fusion import decode, projections_and_rope, relative_error
+from npu_fuse_backend.passes.partial_rope import PartialRopeFusion
+from npu_fuse_backend.passes.rope import RopeFusion
+from npu_fuse_backend.passes.softmax_grad import SoftmaxGradFusion
+from test_mla_preprocess import decode, projections_and_rope, relative_error
 
 aten = torch.ops.aten
 DIFFERS = "replacement differs from the subgraph"
 
 
-def rotate_half(x):
-    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), -1)
-
-
-def rotate_every_two(x):
-    return torch.stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)
-
-
-def rope(q, cos, sin):
-    return q * cos + rotate_half(q) * sin
-
-
 def rope_args(seq=5):
-    return torch.randn(2, seq, 3, 16), torch.randn(1, seq, 1, 16), torch.randn(1, seq, 1, 16)
+    return models.rope_args(seq=seq, heads=3)
 
 
 def tally():
-    return dict(counters["npu_fuse_validation"])
+    return {k: v for k, v in counters["npu_fuse_validation"].items() if k != "evaluations"}
 
 
 @pytest.fixture(autouse=True)
@@ -92,13 +82,13 @@ def softmax_chain(g, p):
 
 HALF_TABLES = (torch.randn(1, 5, 1, 8), torch.randn(1, 5, 1, 8))
 CASES = {
-    "rope": (RotaryMulFusion, rope, lambda: rope_args()),
-    "rope complex": (RotaryMulFusion, complex_rope,
+    "rope": (RopeFusion, rope, lambda: rope_args()),
+    "rope complex": (RopeFusion, complex_rope,
                      lambda: (torch.randn(2, 5, 3, 16), torch.polar(torch.ones(5, 1, 8), torch.randn(5, 1, 8)))),
-    "partial cat": (PartialRotaryFusion, partial_cat, lambda: (torch.randn(2, 5, 3, 16), *HALF_TABLES)),
-    "partial written back": (PartialRotaryFusion, partial_written_back,
+    "partial cat": (PartialRopeFusion, partial_cat, lambda: (torch.randn(2, 5, 3, 16), *HALF_TABLES)),
+    "partial written back": (PartialRopeFusion, partial_written_back,
                              lambda: (torch.randn(2, 5, 3, 16), *HALF_TABLES)),
-    "softmax_grad": (SoftmaxGradExtFusion, softmax_chain,
+    "softmax_grad": (SoftmaxGradFusion, softmax_chain,
                      lambda: (torch.randn(2, 4, 8), torch.randn(2, 4, 8).softmax(-1))),
 }
 
@@ -125,7 +115,7 @@ def test_the_same_wrong_replacement_would_ship_without_validation(monkeypatch, c
 
 
 def test_a_wrong_backward_rewrite_is_refused_in_a_training_graph(monkeypatch):
-    perturb(monkeypatch, RotaryMulFusion, only_op="rotary_mul_backward")
+    perturb(monkeypatch, RopeFusion, only_op="rotary_mul_backward")
     q, cos, sin = rope_args()
     leaf = q.clone().requires_grad_()
     with nf.config.patch(fallback="aot_eager"):
@@ -244,14 +234,14 @@ def test_mla_rms_norm_over_the_wrong_dim_is_not_fused():
 def test_mla_a_wrong_output_of_the_replacement_is_found_on_valid_slots(monkeypatch, output):
     perturb(monkeypatch, MlaPreprocessFusion, output=output)
     reasons = mla_reasons(DeepSeekMLA(MLA).to(torch.bfloat16).eval())
-    assert reasons and all(DIFFERS in r and r.endswith("(valid inputs)") for r in reasons)
+    assert reasons and all(DIFFERS in r and "(uniform inputs" in r for r in reasons)
 
 
 # -- how inputs are drawn -------------------------------------------------------------------------
 def run_pass(fn, args, replacement, target):
     """Fuse fn's ``target`` node into ``replacement(b, *node.args)`` with a one-off pass."""
     class OneOff(fusion.FusionPass):
-        name = family = "one_off"
+        name = "one_off"
         anchor_targets = (target,)
 
         def match(self, ctx, anchor):
@@ -289,32 +279,64 @@ def test_a_read_computed_from_another_read_is_computed_not_drawn():
     assert len(report.matches) == 1, report.summary()
 
 
-def test_large_inputs_run_on_shrunk_shapes(monkeypatch):
-    shrinks = []
+def problems_seen(monkeypatch) -> list:
+    """(label, {leaf name: shape}, probes) of every problem validation evaluates from now on."""
+    seen = []
     compare = validate._Validation._compare
-    monkeypatch.setattr(validate._Validation, "_compare", lambda self, shrink: shrinks.append(shrink)
-                        or compare(self, shrink))
-    monkeypatch.setattr(validate, "FULL_SIZE_ELEMENTS", 2000)
+
+    def recording(self, problem):
+        seen.append((problem.label, {n.name: problem.shapes[n] for n in self.leaves if n in problem.shapes},
+                     problem.probes))
+        return compare(self, problem)
+
+    monkeypatch.setattr(validate._Validation, "_compare", recording)
+    return seen
+
+
+def test_large_inputs_run_shrunk_then_each_size_at_its_real_length(monkeypatch):
+    seen = problems_seen(monkeypatch)
+    monkeypatch.setattr(validate, "FULL_ELEMENTS", 2000)
     args = rope_args(seq=64)  # x [2, 64, 3, 16]: 6144 elements
     out, reports = compile_fused(rope, *args)
     assert fused_ops(reports) == ["rotary_mul"]
-    assert shrinks and 64 in shrinks[0] and shrinks[0][64] < 64
-    perturb(monkeypatch, RotaryMulFusion)
+    labels = [label for label, _, _ in seen]
+    assert labels[0] == "shrunk" and seen[0][1]["arg0_1"][1] < 64
+    assert "uniform" in seen[0][2] and "magnitudes" in seen[0][2] and "NaN" in seen[0][2]
+    confirmations = [shapes for label, shapes, _ in seen if label.startswith("confirming size 64")]
+    assert confirmations and confirmations[0]["arg0_1"][1] == 64  # the sequence dim at its real length
+    perturb(monkeypatch, RopeFusion)
     out, reports = compile_fused(rope, *args)
     assert fused_ops(reports) == [] and near_miss_reasons(reports)[0].startswith(DIFFERS)
+    assert near_miss_reasons(reports)[0].endswith("shrunk)")  # found on the shrunk problem already
 
 
-def test_beyond_the_element_budget_a_rewrite_is_accepted_unvalidated(monkeypatch):
-    monkeypatch.setattr(validate, "FULL_SIZE_ELEMENTS", 10)
-    monkeypatch.setattr(validate, "MAX_ELEMENTS", 100)
-    monkeypatch.setattr(validate, "SHRINK_FROM", 10 ** 6)  # nothing to shrink
-    out, reports = compile_fused(rope, *rope_args())
-    assert fused_ops(reports) == ["rotary_mul"]
-    assert tally() == {"skipped_too_large": 1}
+def test_a_rewrite_no_problem_of_the_budget_fits_is_refused_with_the_reason(monkeypatch):
+    monkeypatch.setattr(validate, "MEMORY_BUDGET", 1000)  # bytes: not even the shrunk problem fits
+    args = rope_args()
+    out, reports = compile_fused(rope, *args)
+    assert fused_ops(reports) == []
+    (reason,) = near_miss_reasons(reports)
+    assert reason.startswith("replacement could not be validated within the budget: ") and "> 0 MB" in reason
+    assert tally() == {"over_budget": 1}
+    assert_close(out, rope(*args))
 
 
-def test_symbolic_shapes_are_validated_at_their_hints():
-    args = rope_args(seq=6)
+def test_a_documented_knob_keeps_unvalidated_rewrites_with_a_warning_and_a_mark(monkeypatch):
+    monkeypatch.setattr(validate, "MEMORY_BUDGET", 1000)
+    args = rope_args()
+    with pytest.warns(RuntimeWarning, match="kept unvalidated"):
+        out, reports = compile_fused(rope, *args, keep_unvalidated_rewrites=True)
+    (match,) = [m for r in reports for m in r.matches]
+    assert match.op == "rotary_mul" and "within the budget" not in match.unvalidated
+    assert match.unvalidated.startswith("kept unvalidated (config.keep_unvalidated_rewrites): ")
+    assert "UNVALIDATED" in reports[0].summary()
+    assert tally() == {"kept_unvalidated": 1}
+    assert_close(out, rope(*args))
+
+
+def test_symbolic_shapes_are_validated_at_several_values_of_the_symbols(monkeypatch):
+    seen = problems_seen(monkeypatch)
+    args = rope_args(seq=40)
     for t in args:
         torch._dynamo.mark_dynamic(t, 1)
     compiled = torch.compile(rope, backend="npu_fuse")
@@ -325,6 +347,17 @@ def test_symbolic_shapes_are_validated_at_their_hints():
     assert fused_ops(nf.get_reports()) == ["rotary_mul"]  # one graph for both lengths: a symbolic one
     assert tally() == {"equal": 1}
     assert_close(out, rope(*args))
+    lengths = sorted({shape[1] for _, shapes, _ in seen for shape in shapes.values() if shape[0] == 2})
+    assert len(lengths) >= 3 and 40 in lengths  # shrunk, at the hint, and a second value
+
+
+def test_a_difference_on_shrunk_shapes_refuses(monkeypatch):
+    monkeypatch.setattr(validate, "FULL_ELEMENTS", 2000)
+    perturb(monkeypatch, RopeFusion)
+    out, reports = compile_fused(rope, *rope_args(seq=64))  # 6144 + 2048 input elements
+    assert fused_ops(reports) == []
+    assert near_miss_reasons(reports)[0].startswith(DIFFERS) and near_miss_reasons(reports)[0].endswith(
+        "shrunk)")
 
 
 def test_an_internal_error_of_the_validator_refuses_the_rewrite_never_the_compile(monkeypatch):
@@ -339,7 +372,6 @@ def test_an_internal_error_of_the_validator_refuses_the_rewrite_never_the_compil
     assert_close(out, rope(*args))
 
 
-
 def test_a_rewrite_identical_to_one_shown_equal_is_not_evaluated_again(monkeypatch):
     runs = []
     run = validate._Validation.run
@@ -350,16 +382,6 @@ def test_a_rewrite_identical_to_one_shown_equal_is_not_evaluated_again(monkeypat
     assert fused_ops(reports) == ["rotary_mul"] * 3
     assert len(runs) == 2  # q and k are the same rewrite on inputs of one layout; the GQA k is not
     assert tally() == {"equal": 3, "equal_by_identical_rewrite": 1}
-
-
-def test_a_difference_on_shrunk_shapes_that_cannot_be_confirmed_still_refuses(monkeypatch):
-    monkeypatch.setattr(validate, "FULL_SIZE_ELEMENTS", 2000)
-    monkeypatch.setattr(validate, "MAX_ELEMENTS", 4000)
-    perturb(monkeypatch, RotaryMulFusion)
-    out, reports = compile_fused(rope, *rope_args(seq=64))  # 6144 + 2048 input elements
-    assert fused_ops(reports) == []
-    assert near_miss_reasons(reports)[0].startswith(DIFFERS) and near_miss_reasons(reports)[0].endswith(
-        "(on shrunk shapes)")
 
 
 # -- tolerance: the scale of the values an element is computed with --------------------------------
@@ -378,3 +400,97 @@ def test_a_row_of_large_values_carries_their_rounding_but_a_wrong_element_is_fou
     largest = int(cache[7].float().abs().argmax())
     sign[7, largest] = -cache[7, largest]  # a sign error in the large row
     assert "differs at 1 of" in validate._difference(cache, sign)
+
+
+# -- inputs the validator computes, or records ------------------------------------------------------
+def test_an_rng_state_input_is_a_recorded_state_never_random_bytes():
+    """Inductor's recomputation of checkpointed code replays dropout from a saved RNG state: a read
+    computed from that state is computed from a valid generator state (the same on both sides)."""
+    import operator
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    replay = torch.ops.higher_order.run_with_rng_state
+    graph = torch.fx.Graph()
+    state, x = graph.placeholder("rng_state"), graph.placeholder("x")
+
+    def dropped(g):
+        drop = g.call_function(replay, (state, aten.native_dropout.default, x, 0.5, True))
+        return g.call_function(operator.getitem, (drop, 0))
+
+    y = dropped(graph)
+    out = graph.call_function(aten.mul.Tensor, (y, 2.0))
+    graph.output(out)
+    new = graph.call_function(aten.add.Tensor, (dropped(graph), y))  # the replacement recomputes the dropout
+    inserted = [n for n in graph.nodes if n.op == "call_function" and n not in (y, y.args[0], out)]
+    with FakeTensorMode() as mode:
+        state.meta["val"] = mode.from_tensor(torch.get_rng_state())
+        x.meta["val"] = torch.empty(4, 8)
+        for node in graph.nodes:
+            if node.op == "call_function":
+                args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+                node.meta["val"] = node.target(*args, **kwargs)
+    before = torch.get_rng_state()
+    assert validate.check_rewrite([out], {out: new}, inserted) is None
+    assert torch.equal(torch.get_rng_state(), before)  # the user's generator is untouched
+
+
+def dynamic_aten_graph(fn, *args):
+    """The forward aten graph AOTAutograd makes of fn with dynamic shapes."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def capture(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(fn, backend=aot_autograd(fw_compiler=capture), dynamic=True)(*args)
+    return graphs[0]
+
+
+def test_zeros_of_symbolic_sizes_are_computed_not_drawn():
+    """Inductor's backward adds into ``full([s0, ...], 0)`` buffers whose sizes are SymInt inputs;
+    drawing them as data made correct RoPE backward rewrites differ "by up to 1" (issue 15)."""
+    gm = dynamic_aten_graph(lambda x: x + torch.zeros(x.shape[0], x.shape[1]), torch.randn(6, 8))
+    (add,) = [n for n in gm.graph.nodes if n.target == aten.add.Tensor]
+    assert any(isinstance(a, torch.fx.Node) and a.op == "placeholder" for a in add.args[1].args[0])
+
+    class ZeroAdd(fusion.FusionPass):
+        name = family = "zero_add"
+        anchor_targets = (aten.add.Tensor,)
+
+        def match(self, ctx, anchor):
+            return fusion.Rewrite(anchor, [], "clone",  # the zeros stay outside: read, as inductor shares them
+                                  lambda b: b.call(aten.clone.default, anchor.args[0]))
+
+    report = fusion.PassManager([ZeroAdd()])(gm)
+    assert [m.op for m in report.matches] == ["clone"], report.summary()
+
+
+def test_sampled_rows_keep_their_real_positions():
+    """Positions made by an ``arange`` in the graph: a replacement computing them in bfloat16 is
+    exact for the shrunk positions 0..4 and wrong past 256; the confirmation (on sampled rows, the
+    last one included, where the real length is over the budget) sees the real positions."""
+    rows = 32768
+
+    def positions(x):
+        return x * torch.arange(rows, dtype=torch.float32)[:, None]
+
+    def bf16_positions(b, x, *_):
+        pos = b.call(aten.arange.default, rows, dtype=torch.float32, device=torch.device("cpu"), pin_memory=False)
+        pos = b.call(aten._to_copy.default, b.call(aten._to_copy.default, pos, dtype=torch.bfloat16),
+                     dtype=torch.float32)
+        return b.call(aten.mul.Tensor, x, b.call(aten.unsqueeze.default, pos, 1))
+
+    args = (torch.randn(rows, 16),)  # over FULL_ELEMENTS: shrunk first
+    report, _ = run_pass(positions, args, bf16_positions, aten.mul.Tensor)
+    assert report.matches == [] and "at its real length" in report.near_misses[0].reason
+    validate.forget_shown_equal()
+    old_budget = validate.MEMORY_BUDGET
+    validate.MEMORY_BUDGET = 1 << 20
+    try:
+        report, _ = run_pass(positions, args, bf16_positions, aten.mul.Tensor)
+    finally:
+        validate.MEMORY_BUDGET = old_budget
+    assert report.matches == [] and "sampled rows" in report.near_misses[0].reason

@@ -6,6 +6,7 @@ import torch
 
 import npu_fuse_backend as nf
 from conftest import assert_close
+from models import attention, gptj, rotate_half
 from ge_conformance import check_graph
 from torchair_offline import ge_graphs_of, hidden_ops, op_types, torchair_dir
 
@@ -13,25 +14,8 @@ pytestmark = pytest.mark.skipif(not (torchair_dir() / "torchair").is_dir(),
                                 reason="torchair not fetched: run `make test`")
 
 
-def rotate_half(x):
-    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
-
-
-def rotate_every_two(x):
-    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
-
-
 def rope(q, cos, sin):
     return (q * cos + rotate_half(q) * sin) * 2
-
-
-def gptj(q, cos, sin):
-    q_rot, q_pass = q[..., :64], q[..., 64:]
-    return torch.cat([q_rot * cos + rotate_every_two(q_rot) * sin, q_pass], -1) * 2
-
-
-def attention(q, k, v):
-    return torch.softmax((q @ k.transpose(-1, -2)) * 0.125, dim=-1) @ v
 
 
 def near_misses(family):
@@ -69,6 +53,24 @@ def test_unsupported_ops_lists_what_the_installed_cann_lacks():
     with hidden_ops("InplacePartialRotaryMulGrad"):
         assert set(unsupported_ops("Ascend950")) == {"inplace_partial_rotary_mul_backward"}
     assert "unrecognised NPU" in unsupported_ops("Ascend310P3")["rotary_mul"]
+
+
+def test_a_soc_without_the_ops_kernel_is_said_once_beside_the_op():
+    """The converter's table takes the SoCs where the op has no kernel from the op
+    (``unavailable_on``) with the op's reason, and refuses to restate them."""
+    from torchair_offline import load_torchair_offline
+
+    load_torchair_offline()
+    from npu_fuse_backend.converters.common import GE_OPS, declare_ge_ops
+    from npu_fuse_backend.lowering.registry import UNAVAILABLE, soc_refusal
+
+    op = torch.ops.npu_fuse.softmax_grad_ext.default
+    g = torch.empty(2, 8, device="meta")
+    for soc, reason in UNAVAILABLE[op].items():
+        assert GE_OPS["softmax_grad_ext"][soc] == reason == soc_refusal(op, soc, g, g, g)
+    with pytest.raises(ValueError, match=r"\['Ascend910B'\] are the op's unavailable_on SoCs"):
+        declare_ge_ops("softmax_grad_ext", {"Ascend910B": "again"})
+    assert GE_OPS["softmax_grad_ext"]["Ascend910B"] != "again"
 
 
 def test_without_rotary_mul_the_rope_fusion_is_a_near_miss_and_the_graph_converts():

@@ -14,17 +14,16 @@ GE: ``InterleaveRope`` on Atlas A2/A3 (float16/bfloat16, D = 64, inference kerne
 
 import torch
 from torch import Tensor
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..registry import decomposition, npu_kernel, soc_limits
-from ..rope_math import compute_dtype, rotate
-from ...soc import A2_A3, ASCEND950, GENERIC, resolve_soc
+from npu_fuse_backend.lowering.registry import decomposition, npu_kernel, soc_limits, unavailable_on
+from npu_fuse_backend.graph_utils import size_eq
+from npu_fuse_backend.lowering.common import HALF_DTYPES, check_rotation_args, compute_dtype, rotate
+from npu_fuse_backend.lowering.ops.rope import rotary_position_embedding_950_limits
+from npu_fuse_backend.soc import A2_A3, ASCEND950, GENERIC, resolve_soc
 
 __all__ = ["interleave_rope", "interleave_rope_backward"]  # public entry points (npu_fuse.ops)
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INTERLEAVE_ROPE_HEAD_DIM = 64  # A2/A3's InterleaveRope kernel
-MAX_HEAD_DIM_950 = 1024  # RotaryPositionEmbedding on Ascend950
 
 
 def deinterleave(x: Tensor) -> Tensor:
@@ -38,31 +37,19 @@ def interleave(x: Tensor) -> Tensor:
 
 
 def check_interleave_rope_args(x: Tensor, cos: Tensor, sin: Tensor, name: str = "npu_fuse.interleave_rope") -> None:
-    """Raise ValueError naming the first rule of the contract the arguments break."""
-    if x.dim() != 4:
-        raise ValueError(f"{name}: x must be 4-D (B, N, S, D), got {x.dim()}-D shape {tuple(x.shape)}")
-    if x.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{name}: x dtype must be float16, bfloat16 or float32, got {x.dtype}")
-    if cos.dtype != x.dtype or sin.dtype != x.dtype:
-        raise ValueError(f"{name}: cos, sin and x must share one dtype, got x {x.dtype}, cos {cos.dtype}, "
-                         f"sin {sin.dtype}")
-    head_dim = x.shape[-1]
-    if head_dim % 2:
-        raise ValueError(f"{name}: head dim (last dim of x) must be even, got {head_dim}")
-    for arg, table in (("cos", cos), ("sin", sin)):
-        if table.dim() != 4:
-            raise ValueError(f"{name}: {arg} must be 4-D, got {table.dim()}-D shape {tuple(table.shape)}")
-        if table.shape[-1] != head_dim:
-            raise ValueError(f"{name}: last dim of {arg} must equal head dim {head_dim} (full width), "
-                             f"got {table.shape[-1]}")
-        for i in range(3):
-            if table.shape[i] != 1 and table.shape[i] != x.shape[i]:
-                raise ValueError(f"{name}: {arg} shape {tuple(table.shape)} does not broadcast to "
-                                 f"x shape {tuple(x.shape)} (dim {i})")
+    """Raise ValueError naming the first rule of the contract the arguments break (full-width cos/sin)."""
+    check_rotation_args(name, x, {"cos": cos, "sin": sin}, layout="B, N, S, D")
 
 
 @torch.library.custom_op("npu_fuse::interleave_rope", mutates_args=())
 def interleave_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """DeepSeek's RoPE: x's interleaved pairs de-interleaved into halves, then rotated as halves.
+
+    ``out = P(x) * cos + rotate_half(P(x)) * sin`` with ``P(x) = cat(x[..., 0::2], x[..., 1::2])``:
+    pairs in, halves out (transformers' DeepSeek-V3 ``apply_rotary_pos_emb_interleave``). x: 4-D
+    [B, N, S, D]; cos, sin: x's dtype, last dim D, broadcast to x. On an NPU: torch_npu's
+    ``npu_interleave_rope`` where its limits hold; differentiable.
+    """
     check_interleave_rope_args(x, cos, sin)
     return interleave_rope_reference(x, cos, sin)
 
@@ -84,7 +71,8 @@ def _(x, cos, sin):
 
 @torch.library.custom_op("npu_fuse::interleave_rope_backward", mutates_args=())
 def interleave_rope_backward(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """dx of :func:`interleave_rope` (in x's interleaved order); it does not depend on x."""
+    """dx of :func:`interleave_rope` for the incoming ``grad``, in x's interleaved order:
+    ``interleave(grad * cos - rotate_half(grad * sin))``; it does not depend on x."""
     check_interleave_rope_args(grad, cos, sin, "npu_fuse.interleave_rope_backward")
     return interleave_rope_backward_reference(grad, cos, sin)
 
@@ -125,22 +113,7 @@ interleave_rope.register_autograd(_backward, setup_context=_setup_context)
 
 
 # -- what the NPU kernels take, per SoC (checked on every call a fusion inserts) ------------
-def _same(a, b) -> bool:
-    """Known equal, without adding a guard on a symbolic size."""
-    return bool(a == b) if isinstance(a, int) and isinstance(b, int) else statically_known_true(a == b)
-
-
-# Ascend950's RotaryPositionEmbedding reads x as (B, S, N, D); the cos/sin layouts it takes,
-# by which of the three leading dims are x's (letter) or 1.
-LAYOUTS_950 = ("111", "BSN", "B1N", "BS1", "11N", "1S1", "B11")
-
-
-def _layout(table: Tensor, x: Tensor) -> str:
-    return "".join("1" if _same(t, 1) else letter if _same(t, s) else "?"
-                   for t, s, letter in zip(table.shape[:3], x.shape[:3], "BSN"))
-
-
-def interleave_rope_limits(soc: str, x: Tensor, cos: Tensor, sin: Tensor, op: str = "interleave_rope"):
+def interleave_rope_limits(soc: str, x: Tensor, cos: Tensor, sin: Tensor):
     """Why the SoC's kernel cannot take these arguments, or None."""
     if soc == GENERIC:
         return None
@@ -148,26 +121,17 @@ def interleave_rope_limits(soc: str, x: Tensor, cos: Tensor, sin: Tensor, op: st
     if tuple(cos.shape) != tuple(sin.shape):
         return f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have one shape"
     if soc in A2_A3:
-        if op != "interleave_rope":
-            return ("A2/A3 have no InterleaveRope gradient kernel (InterleaveRope is inference-only and "
-                    "RotaryPositionEmbeddingGrad takes modes 0 and 1 there)")
-        if x.dtype not in (torch.float16, torch.bfloat16):
+        if x.dtype not in HALF_DTYPES:
             return f"InterleaveRope takes float16 or bfloat16, got {x.dtype}"
-        if not _same(head_dim, INTERLEAVE_ROPE_HEAD_DIM):
+        if not size_eq(head_dim, INTERLEAVE_ROPE_HEAD_DIM):
             return f"InterleaveRope needs head dim D = {INTERLEAVE_ROPE_HEAD_DIM}, got {head_dim}"
         b, n, s = cos.shape[:3]
-        if not (_same(b, x.shape[0]) and _same(n, 1) and (_same(s, 1) or _same(s, x.shape[2]))):
+        if not (size_eq(b, x.shape[0]) and size_eq(n, 1) and (size_eq(s, 1) or size_eq(s, x.shape[2]))):
             return (f"InterleaveRope takes cos/sin of shape (B, 1, S or 1, D) against x (B, N, S, D) "
                     f"{tuple(x.shape)}, got {tuple(cos.shape)}")
         return None
-    if soc == ASCEND950:
-        if head_dim % 2 or head_dim > MAX_HEAD_DIM_950:
-            return f"RotaryPositionEmbedding needs an even head dim <= {MAX_HEAD_DIM_950}, got {head_dim}"
-        layout = _layout(cos, x)
-        if layout not in LAYOUTS_950:
-            return (f"RotaryPositionEmbedding takes cos/sin layouts {', '.join(l + 'D' for l in LAYOUTS_950)} "
-                    f"(x read as BSND), got {tuple(cos.shape)} against x {tuple(x.shape)}")
-        return None
+    if soc == ASCEND950:  # RotaryPositionEmbedding mode 3, x read as (B, S, N, D) as in every mode
+        return rotary_position_embedding_950_limits(x, (cos, sin))
     return None
 
 
@@ -178,7 +142,12 @@ def _interleave_rope_limits(soc, x, cos, sin):
 
 @soc_limits(torch.ops.npu_fuse.interleave_rope_backward.default)
 def _interleave_rope_backward_limits(soc, grad, cos, sin):
-    return interleave_rope_limits(soc, grad, cos, sin, op="interleave_rope_backward")
+    return interleave_rope_limits(soc, grad, cos, sin)
+
+
+unavailable_on(torch.ops.npu_fuse.interleave_rope_backward.default, {
+    soc: f"{soc} has no InterleaveRope gradient kernel (InterleaveRope is inference-only and "
+         "RotaryPositionEmbeddingGrad takes modes 0 and 1 there)" for soc in A2_A3})
 
 
 @npu_kernel(interleave_rope)

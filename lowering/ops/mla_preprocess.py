@@ -41,14 +41,15 @@ conversion in ``converters/mla_preprocess.py`` under torchair. ``@soc_limits`` b
 what those accept per SoC.
 """
 
+import inspect
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from ...soc import A2_A3, GENERIC
-from ..registry import decomposition, npu_kernel, refuse_autograd, soc_limits
-from ..rope_math import rotate
+from npu_fuse_backend.soc import A2_A3, GENERIC
+from npu_fuse_backend.lowering.registry import decomposition, npu_kernel, refuse_autograd, soc_limits
+from npu_fuse_backend.lowering.common import FLOAT_DTYPES, HALF_DTYPES, rotate
 
 __all__ = ["mla_preprocess"]  # public entry points (npu_fuse.ops)
 
@@ -58,9 +59,10 @@ KVCACHE, KROPE_CTKV, INT8_NZCACHE, NZCACHE = range(4)
 PER_TENSOR_QUANT_ASYMM, PER_TOKEN_QUANT_SYMM, PER_TOKEN_QUANT_ASYMM, UNQUANT = range(4)
 MAX_TOKENS = 1024
 HIDDEN_RANGE = (2048, 8192)
-FLOAT_DTYPES = (torch.float16, torch.bfloat16)
 NAME = "npu_fuse.mla_preprocess"
 
+# The op's arguments, declared once (ATB's names and order): the kernels, the converter and the
+# pass take them by name through bind_args.
 SCHEMA = (
     "(Tensor input, Tensor gamma0, Tensor beta0, Tensor wdqkv, Tensor descale0, Tensor gamma1, Tensor beta1, "
     "Tensor wuq, Tensor descale1, Tensor gamma2, Tensor cos, Tensor sin, Tensor wuk, Tensor(a!) kv_cache, "
@@ -69,10 +71,6 @@ SCHEMA = (
     "Tensor? ctkv_scale=None, Tensor? q_nope_scale=None, *, int cache_mode=0, int quant_mode=0, "
     "float epsilon=1e-06) -> (Tensor, Tensor)"
 )
-ARG_NAMES = ("input", "gamma0", "beta0", "wdqkv", "descale0", "gamma1", "beta1", "wuq", "descale1", "gamma2",
-             "cos", "sin", "wuk", "kv_cache", "kv_cache_rope", "slotmapping")
-OPTIONAL_NAMES = ("quant_scale0", "quant_offset0", "bias0", "quant_scale1", "quant_offset1", "bias1",
-                  "ctkv_scale", "q_nope_scale")
 
 
 def _require(ok: bool, rule: str) -> None:
@@ -81,19 +79,25 @@ def _require(ok: bool, rule: str) -> None:
 
 
 def is_quantized(input: Tensor, wdqkv: Tensor) -> bool:
-    return not (wdqkv.dtype == input.dtype and input.dtype in FLOAT_DTYPES)
+    return not (wdqkv.dtype == input.dtype and input.dtype in HALF_DTYPES)
 
 
 def bind_args(args: tuple, kwargs: dict) -> dict:
     """The op's arguments by name, defaults filled in (``args`` in schema order)."""
-    a = dict(zip(ARG_NAMES + OPTIONAL_NAMES, args))
-    a.update(kwargs)
-    for name in OPTIONAL_NAMES:
-        a.setdefault(name, None)
-    a.setdefault("cache_mode", KVCACHE)
-    a.setdefault("quant_mode", PER_TENSOR_QUANT_ASYMM)
-    a.setdefault("epsilon", 1e-6)
-    return a
+    bound = {name: default for name, _, _, default in ARGUMENTS}
+    bound.update(zip([name for name, keyword_only, _, _ in ARGUMENTS if not keyword_only], args))
+    bound.update(kwargs)
+    return bound
+
+
+def _signature() -> inspect.Signature:
+    """The entry point's signature, from the op's schema: as ATB's ``npu_mla_preprocess``, the 16
+    required tensors positional and every optional argument keyword-only."""
+    return inspect.Signature([
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY if keyword_only or has_default
+                          else inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                          default=default if has_default else inspect.Parameter.empty)
+        for name, keyword_only, has_default, default in ARGUMENTS])
 
 
 def _shape(t) -> tuple:
@@ -109,7 +113,7 @@ def check_mla_preprocess_args(a: dict) -> None:
     _require(quant_mode in (PER_TENSOR_QUANT_ASYMM, PER_TOKEN_QUANT_SYMM),
              f"quant_mode {quant_mode} is not supported: only 0 (PER_TENSOR_QUANT_ASYMM) and 1 "
              "(PER_TOKEN_QUANT_SYMM); 2 (PER_TOKEN_QUANT_ASYMM) and 3 (UNQUANT) are refused")
-    _require(x.dim() == 2 and x.dtype in FLOAT_DTYPES,
+    _require(x.dim() == 2 and x.dtype in HALF_DTYPES,
              f"input must be [tokens, hidden] float16/bfloat16, got {_shape(x)} {x.dtype}")
     for name, t in a.items():
         if isinstance(t, Tensor) and t.device != x.device:
@@ -141,7 +145,7 @@ def check_mla_preprocess_args(a: dict) -> None:
             _require(_shape(a[name]) == (size,) and a[name].dtype == dtype,
                      f"{name} must be [{size}] {dtype}, got {_shape(a[name])} {a[name].dtype}")
         for name, size in (("descale0", QKV), ("descale1", heads * (NOPE + ROPE))):
-            _require(_shape(a[name]) == (size,) and a[name].dtype in (torch.float32, *FLOAT_DTYPES),
+            _require(_shape(a[name]) == (size,) and a[name].dtype in FLOAT_DTYPES,
                      f"{name} must be [{size}] float32/float16/bfloat16, got {_shape(a[name])} {a[name].dtype}")
         if quant_mode == PER_TENSOR_QUANT_ASYMM:
             for i, size in ((0, QKV), (1, heads * (NOPE + ROPE))):
@@ -155,6 +159,10 @@ def check_mla_preprocess_args(a: dict) -> None:
     else:
         _require(a["wuq"].dtype == dtype, f"unquantized path: wuq must be {dtype}, got {a['wuq'].dtype}")
     kv_cache, kv_rope = a["kv_cache"], a["kv_cache_rope"]
+    _require(not _overlap(kv_cache, kv_rope),
+             "kv_cache and kv_cache_rope must not share memory: the op updates both in place (schema "
+             "Tensor(a!) kv_cache, Tensor(b!) kv_cache_rope); in cache_mode 0 (KVCACHE) pass an empty tensor, "
+             "e.g. torch.empty(0), as kv_cache_rope")
     _require(kv_cache.dim() == 4 and kv_cache.shape[2] == 1, f"kv_cache must be [blocks, block_size, 1, dim], "
              f"got {_shape(kv_cache)}")
     block_size = kv_cache.shape[1]
@@ -179,6 +187,18 @@ def check_mla_preprocess_args(a: dict) -> None:
         _require(a["ctkv_scale"] is not None and a["ctkv_scale"].numel() == 1, "INT8_NZCACHE needs ctkv_scale [1]")
         _require(a["q_nope_scale"] is not None and a["q_nope_scale"].numel() == heads,
                  f"INT8_NZCACHE needs q_nope_scale with {heads} values (one per head)")
+
+
+def _overlap(a: Tensor, b: Tensor) -> bool:
+    """a and b are one tensor, or views of one storage (fake and functional tensors included)."""
+    if a is b:
+        return True
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    try:
+        return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+    except Exception:  # a tensor without storage (e.g. functional wrappers): only identity tells
+        return torch._C._is_alias_of(a, b)
 
 
 def check_slots(slots: Tensor, cache: Tensor) -> None:
@@ -337,36 +357,50 @@ def _run(a: dict) -> tuple:
 
 
 @torch.library.custom_op("npu_fuse::mla_preprocess", mutates_args=("kv_cache", "kv_cache_rope"), schema=SCHEMA)
-def _mla_preprocess_op(input, gamma0, beta0, wdqkv, descale0, gamma1, beta1, wuq, descale1, gamma2, cos, sin,
-                       wuk, kv_cache, kv_cache_rope, slotmapping, quant_scale0=None, quant_offset0=None,
-                       bias0=None, quant_scale1=None, quant_offset1=None, bias1=None, ctkv_scale=None,
-                       q_nope_scale=None, *, cache_mode=0, quant_mode=0, epsilon=1e-6):
-    return _run(dict(locals()))
+def _mla_preprocess_op(*args, **kwargs):
+    return _run(bind_args(args, kwargs))
+
+
+# (name, keyword-only, has a default, default) of each argument of SCHEMA, as plain Python values
+ARGUMENTS = tuple((arg.name, arg.kwarg_only, arg.has_default_value(), arg.default_value)
+                  for arg in torch.ops.npu_fuse.mla_preprocess.default._schema.arguments)
 
 
 @_mla_preprocess_op.register_fake
-def _(input, gamma0, beta0, wdqkv, descale0, gamma1, beta1, wuq, descale1, gamma2, cos, sin, wuk, kv_cache,
-      kv_cache_rope, slotmapping, quant_scale0=None, quant_offset0=None, bias0=None, quant_scale1=None,
-      quant_offset1=None, bias1=None, ctkv_scale=None, q_nope_scale=None, *, cache_mode=0, quant_mode=0,
-      epsilon=1e-6):
-    check_mla_preprocess_args(dict(locals()))
-    tokens, heads = input.shape[0], wuk.shape[0]
+def _(*args, **kwargs):
+    a = bind_args(args, kwargs)
+    check_mla_preprocess_args(a)
+    x, cache_mode = a["input"], a["cache_mode"]
+    tokens, heads = x.shape[0], a["wuk"].shape[0]
     if cache_mode == KVCACHE:
-        return input.new_empty(tokens, heads, KV_LORA + ROPE), input.new_empty(0)
-    q_dtype = torch.int8 if cache_mode == INT8_NZCACHE else input.dtype
-    return input.new_empty(tokens, heads, KV_LORA, dtype=q_dtype), input.new_empty(tokens, heads, ROPE)
+        return x.new_empty(tokens, heads, KV_LORA + ROPE), x.new_empty(0)
+    q_dtype = torch.int8 if cache_mode == INT8_NZCACHE else x.dtype
+    return x.new_empty(tokens, heads, KV_LORA, dtype=q_dtype), x.new_empty(tokens, heads, ROPE)
 
 
-def mla_preprocess(input, gamma0, beta0, wdqkv, descale0, gamma1, beta1, wuq, descale1, gamma2, cos, sin, wuk,
-                   kv_cache, kv_cache_rope, slotmapping, **kwargs):
-    """ATB's four outputs: (q_out0, kv_cache_out0, q_out1, kv_cache_out1); the cache
-    outputs are the cache inputs, updated in place."""
-    q_out0, q_out1 = torch.ops.npu_fuse.mla_preprocess(
-        input, gamma0, beta0, wdqkv, descale0, gamma1, beta1, wuq, descale1, gamma2, cos, sin, wuk,
-        kv_cache, kv_cache_rope, slotmapping, **kwargs)
-    return q_out0, kv_cache, q_out1, kv_cache_rope
+def mla_preprocess(*args, **kwargs):
+    """DeepSeek's MLA attention prologue in one call, as ATB's ``npu_mla_preprocess``.
+
+    input [T, hidden] -> [RMSNorm(gamma0, beta0) + int8 quant] -> ``@ wdqkv^T`` (descale0, bias0)
+    split into the q latent [T, 1536] and kv [T, 576] -> q: RMSNorm(gamma1, beta1) [+ quant] ->
+    ``@ wuq^T`` (descale1, bias1) -> q_nope | q_rope; kv: RMSNorm(kv[:, :512]; gamma2) | k_rope ->
+    half RoPE (cos, sin [T, 64]) on q_rope and k_rope -> ``q_nope @ wuk`` ([N, 128, 512]) -> the
+    rows written into the paged caches at ``slotmapping`` (Python indexing of the cache's rows).
+    An int8 wdqkv is the w8a8 path (quant_scale*/quant_offset* the static per-tensor quant, quant_mode
+    0; 1: per-token); an fp16/bf16 wdqkv skips the input norm and quantization. cache_mode: 0
+    KVCACHE (kv_cache [blocks, block, 1, 576]), 1 KROPE_CTKV (kv_cache 512 wide, kv_cache_rope 64),
+    2 INT8_NZCACHE (ctkv_scale, q_nope_scale), 3 NZCACHE.
+
+    Returns ATB's four outputs ``(q_out0, kv_cache_out0, q_out1, kv_cache_out1)``: KVCACHE q_out0 is
+    cat(absorbed q_nope, q_rope) [T, N, 576], otherwise absorbed q_nope [T, N, 512] and q_out1 q_rope
+    [T, N, 64]; the cache outputs are the caches, updated in place. Inference only (no autograd).
+    """
+    a = mla_preprocess.__signature__.bind(*args, **kwargs).arguments  # TypeError on a misspelt keyword
+    q_out0, q_out1 = torch.ops.npu_fuse.mla_preprocess(**a)
+    return q_out0, a["kv_cache"], q_out1, a["kv_cache_rope"]
 
 
+mla_preprocess.__signature__ = _signature()
 decomposition(torch.ops.npu_fuse.mla_preprocess.default)(mla_preprocess_functional)
 refuse_autograd("mla_preprocess", "an inference op with no autograd; an input requires grad (call it under "
                 "torch.no_grad())")
@@ -382,20 +416,18 @@ GE_HIDDEN_MULTIPLE = 256
 GE_CACHE_MODES = (KVCACHE, KROPE_CTKV)  # the ND caches the conversion scatters into (converters/mla_preprocess.py)
 
 
-@soc_limits(torch.ops.npu_fuse.mla_preprocess.default)
-def mla_preprocess_soc_limits(soc: str, *args, **kwargs) -> Optional[str]:
-    """Why the op's NPU lowering on ``soc`` cannot take this call, or None."""
-    if soc == GENERIC:
-        return None
-    a = bind_args(args, kwargs)
-    if a["cache_mode"] not in GE_CACHE_MODES:
-        return f"cache_mode {a['cache_mode']}: the GE conversion writes ND caches (KVCACHE 0, KROPE_CTKV 1) only"
-    if a["quant_mode"] != PER_TENSOR_QUANT_ASYMM:
-        return f"quant_mode {a['quant_mode']}: the GE op implements PER_TENSOR_QUANT_ASYMM (0) only"
-    if soc not in A2_A3:  # Ascend950: no MlaPreprocess there, the conversion spells the stages out in GE ops
-        return None
-    tokens, hidden = a["input"].shape
-    heads = a["wuk"].shape[0]
+def ge_modes_refusal(cache_mode: int, quant_mode: int) -> Optional[str]:
+    """Why the GE conversion (any SoC) cannot take these modes, or None."""
+    if cache_mode not in GE_CACHE_MODES:
+        return f"cache_mode {cache_mode}: the GE conversion writes ND caches (KVCACHE 0, KROPE_CTKV 1) only"
+    if quant_mode != PER_TENSOR_QUANT_ASYMM:
+        return f"quant_mode {quant_mode}: the GE op implements PER_TENSOR_QUANT_ASYMM (0) only"
+    return None
+
+
+def mla_preprocess_ge_refusal(tokens, heads, hidden) -> Optional[str]:
+    """Why GE ``MlaPreprocess`` (Atlas A2/A3) cannot take these sizes, or None (the converter then
+    spells the stages out in other GE ops)."""
     if not isinstance(tokens, int):
         return f"token count is symbolic ({tokens}); MlaPreprocess needs a static one of at most {GE_MAX_TOKENS}"
     if tokens > GE_MAX_TOKENS:
@@ -405,6 +437,19 @@ def mla_preprocess_soc_limits(soc: str, *args, **kwargs) -> Optional[str]:
     if hidden % GE_HIDDEN_MULTIPLE:
         return f"hidden size {hidden}: MlaPreprocess takes a multiple of {GE_HIDDEN_MULTIPLE}"
     return None
+
+
+@soc_limits(torch.ops.npu_fuse.mla_preprocess.default)
+def mla_preprocess_soc_limits(soc: str, *args, **kwargs) -> Optional[str]:
+    """Why the op's NPU lowering on ``soc`` cannot take this call, or None."""
+    if soc == GENERIC:
+        return None
+    a = bind_args(args, kwargs)
+    refusal = ge_modes_refusal(a["cache_mode"], a["quant_mode"])
+    if refusal or soc not in A2_A3:  # Ascend950: no MlaPreprocess there, the conversion spells the stages out
+        return refusal
+    tokens, hidden = a["input"].shape
+    return mla_preprocess_ge_refusal(tokens, a["wuk"].shape[0], hidden)
 
 
 # -- the eager NPU kernel: torch_npu's ATB MlaPreprocess ---------------------------------------
@@ -431,15 +476,17 @@ def atb_descale(descale: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _atb_call(a: dict, kv_cache: Tensor, kv_cache_rope: Tensor, slots: Tensor, cache_mode: int) -> tuple:
-    quantized = is_quantized(a["input"], a["wdqkv"])
-    dtype = a["input"].dtype
-    keywords = {name: a[name] for name in OPTIONAL_NAMES}
-    return _atb_mla_preprocess()(
-        a["input"], a["gamma0"], a["beta0"], a["wdqkv"],
-        atb_descale(a["descale0"], dtype) if quantized else a["descale0"], a["gamma1"], a["beta1"], a["wuq"],
-        atb_descale(a["descale1"], dtype) if quantized else a["descale1"], a["gamma2"], a["cos"], a["sin"],
-        a["wuk"], kv_cache, kv_cache_rope, slots.int(), **keywords, cache_mode=ATB_CACHE_MODES[cache_mode],
-        quant_mode=ATB_QUANT_MODES[a["quant_mode"]])
+    """ATB's binding takes the op's tensors in its order: the required ones positionally, the
+    optional ones by name, and the modes as strings."""
+    given = dict(a, kv_cache=kv_cache, kv_cache_rope=kv_cache_rope, slotmapping=slots.int())
+    if is_quantized(a["input"], a["wdqkv"]):
+        given.update(descale0=atb_descale(a["descale0"], a["input"].dtype),
+                     descale1=atb_descale(a["descale1"], a["input"].dtype))
+    required = [given[name] for name, _, has_default, _ in ARGUMENTS if not has_default]
+    optional = {name: given[name] for name, keyword_only, has_default, _ in ARGUMENTS
+                if has_default and not keyword_only}
+    return _atb_mla_preprocess()(*required, **optional, cache_mode=ATB_CACHE_MODES[cache_mode],
+                                 quant_mode=ATB_QUANT_MODES[a["quant_mode"]])
 
 
 def mla_preprocess_npu(a: dict) -> tuple:
@@ -448,7 +495,7 @@ def mla_preprocess_npu(a: dict) -> tuple:
     scatter its rows into the real caches with Python indexing; the NZ modes get their slots
     wrapped into range. Off the Atlas A2/A3 family (no ATB kernel) or with another epsilon,
     the reference kernel runs on the NPU."""
-    from ...soc import resolve_soc
+    from npu_fuse_backend.soc import resolve_soc
 
     check_mla_preprocess_args(a)
     if resolve_soc() not in A2_A3 or a["epsilon"] != ATB_EPSILON:
@@ -475,8 +522,5 @@ def mla_preprocess_npu(a: dict) -> tuple:
 
 
 @npu_kernel(_mla_preprocess_op)
-def _mla_preprocess_npu(input, gamma0, beta0, wdqkv, descale0, gamma1, beta1, wuq, descale1, gamma2, cos, sin,
-                        wuk, kv_cache, kv_cache_rope, slotmapping, quant_scale0=None, quant_offset0=None,
-                        bias0=None, quant_scale1=None, quant_offset1=None, bias1=None, ctkv_scale=None,
-                        q_nope_scale=None, *, cache_mode=0, quant_mode=0, epsilon=1e-6):
-    return mla_preprocess_npu(dict(locals()))
+def _mla_preprocess_npu(*args, **kwargs):
+    return mla_preprocess_npu(bind_args(args, kwargs))

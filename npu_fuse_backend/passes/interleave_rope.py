@@ -10,13 +10,15 @@ rotate_half with full-width tables), and, in backward graphs, the adjoint of eit
 writes it; each becomes ``interleave_rope`` or ``interleave_rope_backward``.
 
 Constraints (near-misses): x 2-D to 4-D (``[T, D]`` and ``[T, N, D]`` are lifted to ``(B, N, S,
-D)`` with S = 1), static even head dim, float16/bfloat16/float32, cos/sin broadcastable to x, no
-intermediate used outside the subgraph; the per-SoC limits of the op (A2/A3: float16/bfloat16,
-D = 64, cos/sin (B, 1, S or 1, D); no backward kernel there) are checked by the pass manager.
+D)`` with S = 1), not empty, no intermediate used outside the subgraph; the recognizer's own (static
+head dim, tables that do not vary with x, signs of a rotation, no rounding coarser than the result in
+the middle); and the op's own argument rules (``check_interleave_rope_args``: even head dim,
+float16/bfloat16/float32, full-width cos/sin broadcastable to x), which the op checks on the call the
+rewrite builds; the per-SoC limits of the op (A2/A3: float16/bfloat16, D = 64, cos/sin (B, 1, S or 1,
+D); no backward kernel there) are checked by the pass manager.
 
-Order: before ``rope`` (which would take the half rotation of the reference form alone). The MLA
-prologue pass claims DeepSeek's RoPE inside a full prologue and must run before this one; this pass
-is named so that it does (passes without an order constraint run by name).
+Order (``fusion.PASS_ORDER``): before ``rope`` (which would take the half rotation of the reference
+form alone), after ``mla_preprocess`` (which claims DeepSeek's RoPE inside a full prologue).
 """
 
 from typing import Optional
@@ -26,9 +28,7 @@ from torch.fx import Node
 
 from .. import rotation
 from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
-from ..graph_utils import aten, broadcasts_to, describe, size_eq, users_outside, val
-from ..lowering.ops.interleave_rope import FLOAT_DTYPES
-from .rope import finish
+from ..graph_utils import aten, describe, size_eq, users_outside, val
 
 # Unsqueezes that take x to (B, N, S, D): [T, N, D] -> [T, N, 1, D]; [T, D] -> [T, 1, 1, D].
 LIFT = {4: (), 3: (2,), 2: (1, 2)}
@@ -38,10 +38,8 @@ LIFT = {4: (), 3: (2,), 2: (1, 2)}
 class InterleaveRopeFusion(FusionPass):
     """DeepSeek's interleaved-pairs RoPE (every written form, forward and backward) -> one op."""
 
-    name = "rope_interleave"
-    family = "rope_interleave"
+    name = "interleave_rope"
     role = "interleave"
-    runs_before = ("rope",)
 
     def anchors(self, ctx: PassContext):
         return [anchor for anchor, _ in rotation.analysis(ctx.graph, ctx.kind).decisions(self.role)]
@@ -70,7 +68,7 @@ class InterleaveRopeFusion(FusionPass):
             out = b.call(op.default, xx, cos, sin)
             for dim in reversed(lift):
                 out = b.call(aten.squeeze.dim, out, dim)
-            return finish(b, rot, source, b.cast(out, rot.out_dtype))
+            return rotation.finish(b, rot, source, b.cast(out, rot.out_dtype))
 
         op = "interleave_rope_backward" if rot.backward else "interleave_rope"
         detail = "halves-to-pairs adjoint" if rot.backward else "pairs-to-half"
@@ -85,15 +83,6 @@ class InterleaveRopeFusion(FusionPass):
                            "(2-D [T, D] and 3-D [T, N, D] are lifted)")
         if size_eq(xv.numel(), 0):
             raise NotFused(f"x {x.name} of shape {list(xv.shape)} is empty; nothing to fuse")
-        for name, dtype in (("x " + x.name, xv.dtype), ("result " + anchor.name, val(anchor).dtype),
-                            *((name, t.dtype) for name, t in zip(("cos", "sin"), rot.tables))):
-            if dtype not in FLOAT_DTYPES:
-                raise NotFused(f"{name} has dtype {dtype}; interleave_rope takes float16, bfloat16 or float32")
-        shape = [*xv.shape[:-1], rot.width]
-        for name, table in zip(("cos", "sin"), rot.tables):
-            if len(table.shape()) > xv.dim() or not broadcasts_to(table.shape(), shape):
-                raise NotFused(f"{name} shape {table.shape()} does not broadcast to {shape} (x {x.name} "
-                               f"{list(xv.shape)})")
         leaked = users_outside(rot.nodes, [anchor])
         if leaked is not None:
             raise NotFused(f"intermediate {describe(leaked)} is used outside the subgraph")

@@ -34,16 +34,177 @@ pass manager against the op's ``@soc_limits``.
 
 import dataclasses
 import operator
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch.fx import Node
 
 from .. import rotation
-from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
+from ..fusion import FakeValues, FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, check_op_args, \
+    register_fusion
 from ..graph_utils import VIEWS, aten, is_call, rank, shape_eq, static_int, users_outside, val
-from ..lowering.ops import mla_preprocess as mla
-from ..matchers import CASTS, Linear, RmsNorm, last_dim_piece, match_linear, match_rms_norm, pieces_of, swaps_01
+from npu_fuse_backend.lowering.ops import mla_preprocess as mla
+from ..matchers import RmsNorm, Stripped, binary_operands, last_dim_piece, match_rms_norm, uncast
+
+
+# -- the prologue's own matchers: projections (x @ w^T, w8a8), last-dim pieces, transposes ----------
+def transposed(node) -> Optional[Node]:
+    """w for ``w.t()`` (``t``, or ``permute(w, [1, 0])`` after inductor's decompositions)."""
+    if is_call(node, aten.t.default) or (is_call(node, aten.permute.default) and list(node.args[1]) == [1, 0]):
+        return node.args[0]
+    return None
+
+
+@dataclasses.dataclass
+class Quantize:
+    """``int8(clamp(round(y / scale + offset), -128, 127))``: static per-tensor asymmetric quant."""
+
+    y: Node
+    scale: Node
+    offset: Node
+    nodes: list
+
+
+def _int8_clamped(node) -> Optional[Stripped]:
+    """clamp(inner, -128, 127), or clamp_max(clamp_min(inner, -128), 127)."""
+    if is_call(node, aten.clamp.default) and tuple(node.args[1:3]) == (-128, 127):
+        return Stripped(node.args[0], [node])
+    if is_call(node, aten.clamp_max.default) and node.args[1] == 127 and \
+            is_call(node.args[0], aten.clamp_min.default) and node.args[0].args[1] == -128:
+        return Stripped(node.args[0].args[0], [node, node.args[0]])
+    return None
+
+
+def match_quantize(node) -> Optional[Quantize]:
+    cast = uncast(node)
+    casts, clamped = cast.casts, _int8_clamped(cast.node)
+    if not (casts and val(node).dtype == torch.int8 and clamped and is_call(clamped.node, aten.round.default)):
+        return None
+    rounded = clamped.node
+    shifted = binary_operands(rounded.args[0], aten.add.Tensor)
+    divided = binary_operands(shifted[0], aten.div.Tensor) if shifted else None
+    if divided is None:
+        return None
+    offset, scale, y = uncast(shifted[1]), uncast(divided[1]), uncast(divided[0])
+    return Quantize(y.node, scale.node, offset.node,
+                    [*casts, *clamped.casts, rounded, rounded.args[0], shifted[0], *offset.casts, *scale.casts,
+                     *y.casts])
+
+
+@dataclasses.dataclass
+class QuantLinear:
+    """The w8a8 parts of a projection: the activation's quantize and the int32 bias + dequant scale."""
+
+    quantize: Quantize
+    bias: Node
+    descale: Node
+
+
+@dataclasses.dataclass
+class Linear:
+    """A projection: ``x @ w^T`` (nn.Linear, w stored [out, in]) or ``x @ w`` (w stored
+    [in, out]), or the w8a8 form ``dequant(int_mm(quant(x), w^T or w) + bias)``."""
+
+    x: Node
+    w: Node  # the weight as the graph holds it
+    quant: Optional[QuantLinear]
+    nodes: list
+    in_out: bool = False  # w is stored [in, out] (``x @ w``), not [out, in]
+
+
+@dataclasses.dataclass
+class Weight:
+    """The right operand of a 2-D matmul: ``w.t()`` (w stored [out, in]) or a plain 2-D w ([in, out])."""
+
+    w: Node
+    in_out: bool
+    nodes: list  # the transpose, if any
+
+
+def _weight(node) -> Optional[Weight]:
+    if transposed(node) is not None:
+        return Weight(transposed(node), False, [node])
+    if rank(node) == 2:
+        return Weight(node, True, [])
+    return None
+
+
+def match_linear(node) -> Optional[Linear]:
+    cast = uncast(node)
+    out, casts = cast.node, cast.casts
+    if is_call(out, aten.mm.default):
+        weight = _weight(out.args[1])
+        if weight is None:
+            return None
+        return Linear(out.args[0], weight.w, None, [*casts, out, *weight.nodes], weight.in_out)
+    scaled = binary_operands(out, aten.mul.Tensor)
+    if scaled is None:
+        return None
+    for acc_side, descale in (scaled, scaled[::-1]):
+        acc = uncast(acc_side)
+        biased = binary_operands(acc.node, aten.add.Tensor)
+        if biased is None or not is_call(biased[0], aten._int_mm.default):
+            continue
+        int_mm, bias = biased
+        weight = _weight(int_mm.args[1])
+        quant = match_quantize(int_mm.args[0])
+        if weight is None or quant is None:
+            return None
+        return Linear(quant.y, weight.w, QuantLinear(quant, bias, descale),
+                      [*casts, out, *acc.casts, acc.node, int_mm, *weight.nodes, *quant.nodes], weight.in_out)
+    return None
+
+
+@dataclasses.dataclass
+class PieceUse:
+    """A user of a tensor that takes one last-dim piece of it."""
+
+    node: Node
+    nodes: list
+
+
+def pieces_of(node: Node) -> dict:
+    """{(start, end): PieceUse} for the step-1 last-dim slices and split parts taken of node."""
+    candidates = []
+    for user in node.users:
+        if is_call(user, aten.split.Tensor, aten.split_with_sizes.default):
+            candidates += list(user.users)
+        else:
+            candidates.append(user)
+    found = {}
+    for candidate in candidates:
+        piece = last_dim_piece(candidate)
+        if piece is not None and piece.source is node and piece.step == 1:
+            found.setdefault((piece.start, piece.end), PieceUse(candidate, piece.nodes))
+    return found
+
+
+
+def swaps_01(node) -> bool:
+    """x.transpose(0, 1) of a 3-D x (``permute(x, [1, 0, 2])`` after inductor's decompositions)."""
+    if rank(node) != 3:
+        return False
+    if is_call(node, aten.transpose.int):
+        return sorted(d % 3 for d in node.args[1:3]) == [0, 1]
+    return is_call(node, aten.permute.default) and list(node.args[1]) == [1, 0, 2]
+
+
+
+@dataclasses.dataclass
+class KvPieces:
+    """Stage 6's split of the kv latent: ctkv [512] and k_rope [64]."""
+
+    ctkv: Node
+    k_rope: Node
+    nodes: list
+
+
+@dataclasses.dataclass
+class NormOf:
+    """An RMSNorm found downstream of its input, and the node that outputs it."""
+
+    norm: RmsNorm
+    out: Node
 
 
 @dataclasses.dataclass
@@ -127,10 +288,8 @@ class MlaPreprocessFusion(FusionPass):
     """DeepSeek MLA prologue (projections, norms, RoPE, absorption, cache write) -> one op."""
 
     name = "mla_preprocess"
-    family = "mla_preprocess"
     op = "mla_preprocess"
     anchor_targets = (aten.add.Tensor,)
-    runs_before = ("partial_rope", "rope", "rope_interleave")  # they would take its two RoPE sites alone
 
     def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
         site = rotation.analysis(ctx.graph, ctx.kind).rotation_at(anchor)
@@ -151,9 +310,6 @@ class MlaPreprocessFusion(FusionPass):
         q3 = q_site.x
         nodes = [q_rope_add, *q_site.nodes]
         permuted = q_site.form == rotation.PAIRS_TO_HALF
-        dtype = val(q3).dtype
-        if dtype not in mla.FLOAT_DTYPES:
-            raise NotFused(f"{_dtype_name(dtype)} is not a dtype of the op (float16, bfloat16)")
         nope, rope = q_site.start, q_site.width
         if rope != mla.ROPE:
             raise NotFused(f"stage 7: q rope dim {rope} (of a {nope + rope}-wide q head); the op takes {mla.ROPE}")
@@ -190,8 +346,10 @@ class MlaPreprocessFusion(FusionPass):
         if quantized and norm0 is None:
             raise NotFused("stage 1 (input RMSNorm before quantization) not found")
         nodes += [q3, *q_lin.nodes, *norm1.nodes, *q_c.nodes, *qkv_lin.nodes] + (norm0.nodes if norm0 else [])
-        kv_c, k_pe, kv_nodes = self._kv_pieces(qkv)
-        ctkv, ctkv_out = self._consumer_norm(kv_c)
+        kv = self._kv_pieces(qkv)
+        kv_c, k_pe, kv_nodes = kv.ctkv, kv.k_rope, kv.nodes
+        ctkv_norm = self._consumer_norm(kv_c)
+        ctkv, ctkv_out = ctkv_norm.norm, ctkv_norm.out
         if ctkv.beta is not None:
             raise NotFused("the kv-latent RMSNorm adds a beta; the op's stage 6 has only gamma2")
         k_rope = self._k_rope(ctx, qkv, kv_nodes, k_pe, q_site)
@@ -216,7 +374,8 @@ class MlaPreprocessFusion(FusionPass):
                             w_uk=absorbed.w_uk, cos=k_rope.cos, sin=k_rope.sin, cache=cache_write.cache,
                             slots=cache_write.slots, python_indexes=cache_write.python_indexes, heads=heads,
                             eps=eps.pop(), permute=permuted)
-        _check_op_contract(ctx, prologue)
+        arguments = {name: val(value) for name, value in _op_arguments(FakeValues(ctx.fake_mode), prologue).items()}
+        check_op_args(mla.check_mla_preprocess_args, mla.bind_args((), arguments))
         anchor = min([q_out, cache_write.new_cache], key=ctx.position)
         late = [n for n in prologue.inputs() if ctx.position(n) > ctx.position(anchor)]
         if late:
@@ -233,7 +392,7 @@ class MlaPreprocessFusion(FusionPass):
 
     # -- stages ----------------------------------------------------------------------
     @staticmethod
-    def _kv_pieces(qkv):
+    def _kv_pieces(qkv) -> "KvPieces":
         kv = pieces_of(qkv).get((mla.Q_LORA, mla.QKV))
         if kv is None:
             raise NotFused("stage 3 (kv part [1536:2112] of qkv) not found")
@@ -241,11 +400,11 @@ class MlaPreprocessFusion(FusionPass):
         kv_c, k_pe = pieces.get((0, mla.KV_LORA)), pieces.get((mla.KV_LORA, mla.KV_LORA + mla.ROPE))
         if kv_c is None or k_pe is None:
             raise NotFused("stage 6 (kv split into ctkv [512] and k_rope [64]) not found")
-        return kv_c.node, k_pe.node, [*kv.nodes, *kv_c.nodes, *k_pe.nodes]
+        return KvPieces(kv_c.node, k_pe.node, [*kv.nodes, *kv_c.nodes, *k_pe.nodes])
 
     @staticmethod
-    def _consumer_norm(node) -> tuple:
-        """(RmsNorm of node, its output): the norm's output is a few nodes downstream of its input."""
+    def _consumer_norm(node) -> "NormOf":
+        """The RmsNorm of node: its output is a few nodes downstream of its input."""
         seen, frontier = set(), [node]
         for _ in range(12):
             nxt = []
@@ -256,7 +415,7 @@ class MlaPreprocessFusion(FusionPass):
                     seen.add(user)
                     found = match_rms_norm(user)
                     if found is not None and found.x is node:
-                        return found, user
+                        return NormOf(found, user)
                     nxt.append(user)
             frontier = nxt
         raise NotFused("stage 6 (RMSNorm over the last dim of the kv latent) not found")
@@ -265,10 +424,10 @@ class MlaPreprocessFusion(FusionPass):
     def _k_rope(ctx, qkv, kv_nodes, k_pe, q_site: rotation.Rotation) -> KvRope:
         """The RoPE of k_pe (lanes [2048, 2112) of the fused projection), in q's form and tables."""
         kv = kv_nodes[0]
-        lanes = {_uncast(qkv): (mla.QKV - mla.ROPE, mla.QKV), kv: (mla.KV_LORA, mla.KV_LORA + mla.ROPE),
+        lanes = {uncast(qkv).node: (mla.QKV - mla.ROPE, mla.QKV), kv: (mla.KV_LORA, mla.KV_LORA + mla.ROPE),
                  k_pe: (0, mla.ROPE)}
         for site in rotation.analysis(ctx.graph, ctx.kind).rotations():
-            if not (lanes.get(_uncast(site.x)) == (site.start, site.end)
+            if not (lanes.get(uncast(site.x).node) == (site.start, site.end)
                     and site.form == q_site.form and not site.passthrough and not site.backward):
                 continue
             tables = [_table_root(t.leaf()) for t in (*site.tables, *q_site.tables)]
@@ -331,48 +490,8 @@ class MlaPreprocessFusion(FusionPass):
         raise NotFused("stage 8 (weight absorption q_nope @ W_UK, then cat with q_rope) not found")
 
 
-def _check_op_contract(ctx: PassContext, p: Prologue) -> None:
-    """The op's own argument rules on the replacement's (fake) arguments: a near-miss naming the
-    rule instead of a failed rewrite."""
-    x = val(p.x)
-
-    def fake(shape, dtype):
-        with ctx.fake_mode:
-            return torch.empty(shape, dtype=dtype, device=x.device)
-
-    def weight(lin: Linear):
-        w = val(lin.w)
-        return w.t() if lin.in_out else w
-
-    hidden = x.shape[-1]
-    a: dict[str, Any] = dict(
-        input=x, wdqkv=weight(p.qkv_lin), wuq=weight(p.q_lin), gamma1=val(p.norm1.gamma), gamma2=val(p.ctkv.gamma),
-        beta1=val(p.norm1.beta) if p.norm1.beta is not None else fake([mla.Q_LORA], x.dtype),
-        gamma0=val(p.norm0.gamma) if p.norm0 else fake([hidden], x.dtype),
-        beta0=val(p.norm0.beta) if p.norm0 and p.norm0.beta is not None else fake([hidden], x.dtype),
-        cos=val(p.cos), sin=val(p.sin), wuk=val(p.w_uk), kv_cache=val(p.cache), kv_cache_rope=fake([0], torch.float32),
-        slotmapping=val(p.slots), cache_mode=mla.KVCACHE, quant_mode=mla.PER_TENSOR_QUANT_ASYMM, epsilon=p.eps)
-    for i, lin in ((0, p.qkv_lin), (1, p.q_lin)):
-        q = lin.quant
-        a[f"descale{i}"] = val(q.descale) if q else fake([val(a["wdqkv" if i == 0 else "wuq"]).shape[0]],
-                                                         torch.float32)
-        a.update({f"quant_scale{i}": val(q.quantize.scale) if q else None,
-                  f"quant_offset{i}": val(q.quantize.offset) if q else None, f"bias{i}": val(q.bias) if q else None})
-    a.update(ctkv_scale=None, q_nope_scale=None)
-    try:
-        mla.check_mla_preprocess_args(a)
-    except ValueError as refused:
-        raise NotFused(f"the op refuses the arguments: {str(refused).removeprefix(mla.NAME + ': ')}") from None
-
-
 def _table_root(node):
     while is_call(node, aten.unsqueeze.default):
-        node = node.args[0]
-    return node
-
-
-def _uncast(node):
-    while is_call(node, *CASTS):
         node = node.args[0]
     return node
 
@@ -425,14 +544,16 @@ def _written_cache(write, value) -> Optional[CacheWrite]:
     return CacheWrite(cache, slots, python_indexes, new_cache[0], nodes)
 
 
-def _build(b: GraphBuilder, p: Prologue, q_out: Node, new_cache: Node) -> dict:
+def _op_arguments(b, p: Prologue) -> dict:
+    """The op's arguments by name (nodes of the graph, or what ``b`` builds: a GraphBuilder, or
+    FakeValues to check them at match time)."""
     x = p.x
     dtype, device = val(x).dtype, val(x).device
 
     def full(shape, value, dtype_):
         return b.call(aten.full.default, shape, value, dtype=dtype_, device=device, pin_memory=False)
 
-    def out_in(lin: Linear) -> Node:  # the op takes [out, in] weights
+    def out_in(lin: Linear):  # the op takes [out, in] weights
         return b.call(aten.t.default, lin.w) if lin.in_out else lin.w
 
     quant0, quant1 = p.qkv_lin.quant, p.q_lin.quant
@@ -449,24 +570,31 @@ def _build(b: GraphBuilder, p: Prologue, q_out: Node, new_cache: Node) -> dict:
             descale0, bias0 = (b.call(aten.index.Tensor, t, [rows0]) for t in (descale0, bias0))
             descale1, bias1 = (b.call(aten.index.Tensor, t, [rows1]) for t in (descale1, bias1))
     hidden = val(x).shape[-1]
-    # the unquantized path skips stage 1, whose gamma0/beta0 the op then never reads
-    gamma0 = p.norm0.gamma if p.norm0 else full([hidden], 1.0, dtype)
-    beta0 = p.norm0.beta if p.norm0 and p.norm0.beta is not None else full([hidden], 0.0, dtype)
-    beta1 = p.norm1.beta if p.norm1.beta is not None else full([mla.Q_LORA], 0.0, dtype)
     slots = p.slots
     if not p.python_indexes:  # index_copy_/scatter_ refuse a negative slot: make it one the op refuses
         slot_count = val(p.cache).shape[0] * val(p.cache).shape[1]
         slots = b.call(aten.masked_fill.Scalar, slots, b.call(aten.lt.Scalar, slots, 0), slot_count)
-    kv_rope = full([0], 0.0, torch.float32)  # unused in KVCACHE mode; its (zero-byte) copy keeps a plain dtype
-    kwargs: dict[str, Any] = dict(cache_mode=mla.KVCACHE, quant_mode=mla.PER_TENSOR_QUANT_ASYMM, epsilon=p.eps)
+    arguments = dict(
+        input=x, wdqkv=wdqkv, descale0=descale0, gamma1=p.norm1.gamma, wuq=wuq, descale1=descale1,
+        gamma2=p.ctkv.gamma, cos=p.cos, sin=p.sin, wuk=p.w_uk, kv_cache=p.cache, slotmapping=slots,
+        # the unquantized path skips stage 1, whose gamma0/beta0 the op then never reads
+        gamma0=p.norm0.gamma if p.norm0 else full([hidden], 1.0, dtype),
+        beta0=p.norm0.beta if p.norm0 and p.norm0.beta is not None else full([hidden], 0.0, dtype),
+        beta1=p.norm1.beta if p.norm1.beta is not None else full([mla.Q_LORA], 0.0, dtype),
+        # unused in KVCACHE mode; its (zero-byte) copy keeps a plain dtype
+        kv_cache_rope=full([0], 0.0, torch.float32),
+        cache_mode=mla.KVCACHE, quant_mode=mla.PER_TENSOR_QUANT_ASYMM, epsilon=p.eps)
     if quant0:
-        kwargs.update(quant_scale0=quant0.quantize.scale, quant_offset0=quant0.quantize.offset, bias0=bias0,
-                      quant_scale1=quant1.quantize.scale, quant_offset1=quant1.quantize.offset, bias1=bias1)
+        arguments.update(quant_scale0=quant0.quantize.scale, quant_offset0=quant0.quantize.offset, bias0=bias0,
+                         quant_scale1=quant1.quantize.scale, quant_offset1=quant1.quantize.offset, bias1=bias1)
+    return arguments
+
+
+def _build(b: GraphBuilder, p: Prologue, q_out: Node, new_cache: Node) -> dict:
+    arguments = _op_arguments(b, p)
+    caches = [arguments.pop("kv_cache"), arguments.pop("kv_cache_rope")]  # mutated: the bases
     fused = b.call(torch.ops.higher_order.auto_functionalized_v2, torch.ops.npu_fuse.mla_preprocess.default,
-                   input=x, gamma0=gamma0, beta0=beta0, wdqkv=wdqkv, descale0=descale0, gamma1=p.norm1.gamma,
-                   beta1=beta1, wuq=wuq, descale1=descale1, gamma2=p.ctkv.gamma, cos=p.cos, sin=p.sin,
-                   wuk=p.w_uk, slotmapping=slots, **kwargs, _kv_cache_base_index=0,
-                   _kv_cache_rope_base_index=1, _all_bases=[p.cache, kv_rope])
+                   **arguments, _kv_cache_base_index=0, _kv_cache_rope_base_index=1, _all_bases=caches)
     return {q_out: b.call(operator.getitem, fused, 0), new_cache: b.call(operator.getitem, fused, 2)}
 
 

@@ -11,9 +11,11 @@ DeepSeek's de-interleave-then-rotate-halves form with its de-interleaved x in th
 rotary_mul of that x when the interleave_rope pass does not take it.
 
 Constraints (each failure is a near-miss with its reason): x is 4-D (a 3-D ``[T, N, D]`` or 2-D
-``[T, D]`` x is lifted to 4-D and back), static even head dim, float16/bfloat16/float32, no
-intermediate used outside the subgraph; the recognizer's own (tables that do not vary with x and
-broadcast to it, signs of a rotation, no rounding in the middle coarser than the result).
+``[T, D]`` x is lifted to 4-D and back), not empty, no intermediate used outside the subgraph; the
+recognizer's own (static head dim, tables that do not vary with x and broadcast to it, signs of a
+rotation, no rounding in the middle coarser than the result); and the op's own argument rules
+(``check_rotary_mul_args``: even head dim, cos/sin broadcast to x with last dim D,
+float16/bfloat16/float32), which the op checks on the call the rewrite builds.
 
 Replacement: ``rotary_mul(x, r1, r2, mode)`` (or ``rotary_mul_backward(g, None, r1, r2, mode,
 need_backward=False)[0]``) in the promotion of x's, the tables' and the result's dtypes (the op
@@ -28,16 +30,14 @@ from torch.fx import Node
 
 from .. import rotation
 from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
-from ..graph_utils import aten, describe, size_eq, static_int, users_outside, val
-from ..lowering.ops.rotary_mul import FLOAT_DTYPES
+from ..graph_utils import aten, describe, size_eq, users_outside, val
 
 
 @register_fusion
-class RotaryMulFusion(FusionPass):
+class RopeFusion(FusionPass):
     """Full-width (or sliced) RoPE, half or interleave, forward or backward -> one rotary_mul."""
 
     name = "rope"
-    family = "rope"
     op = "rotary_mul"
     role = "rotary_mul"
 
@@ -54,9 +54,9 @@ class RotaryMulFusion(FusionPass):
 
     def _rewrite(self, rot: rotation.Rotation) -> Rewrite:
         anchor, x = rot.anchor, rot.x
-        self._check(anchor, x, rot, rot.nodes)
+        self._check(anchor, x, rot.nodes)
         x_rank = val(x).dim()
-        lift = LIFT[x_rank]
+        lift = rotation.BSND_LIFT[x_rank]
 
         def build(b: GraphBuilder) -> Node:
             source = x
@@ -73,7 +73,7 @@ class RotaryMulFusion(FusionPass):
                 out = b.call(torch.ops.npu_fuse.rotary_mul.default, xx, r1, r2, rot.mode)
             for dim in reversed(lift):
                 out = b.call(aten.squeeze.dim, out, dim)
-            return finish(b, rot, source, b.cast(out, rot.out_dtype))
+            return rotation.finish(b, rot, source, b.cast(out, rot.out_dtype))
 
         op = "rotary_mul_backward" if rot.backward else self.op
         detail = f"mode={rot.mode}" + (", complex form" if rot.complex_form else "") + \
@@ -81,42 +81,13 @@ class RotaryMulFusion(FusionPass):
         return Rewrite(anchor, rot.nodes, op, build, detail=detail)
 
     @staticmethod
-    def _check(anchor: Node, x: Node, rot: rotation.Rotation, nodes: list) -> None:
+    def _check(anchor: Node, x: Node, nodes: list) -> None:
         xv = val(x)
-        if xv.dim() not in LIFT:
+        if xv.dim() not in rotation.BSND_LIFT:
             raise NotFused(f"x {x.name} is {xv.dim()}-D; rotary_mul takes 4-D BSND/BNSD x "
                            "(3-D [T, N, D] and 2-D [T, D] are lifted)")
         if size_eq(xv.numel(), 0):
             raise NotFused(f"x {x.name} of shape {list(xv.shape)} is empty; nothing to fuse")
-        for what, dtype in ((x.name, xv.dtype), (anchor.name, val(anchor).dtype),
-                            *((f"{name} ({', '.join(a.name for a in t.atoms)})", t.dtype)
-                              for name, t in zip(("cos", "sin"), rot.tables))):
-            if dtype not in FLOAT_DTYPES:
-                raise NotFused(f"{what} has dtype {dtype}; rotary_mul takes float16, bfloat16 or float32")
         leaked = users_outside(nodes, [anchor])
         if leaked is not None:
             raise NotFused(f"intermediate {describe(leaked)} is used outside the subgraph")
-
-
-# Unsqueezes that take x to BSND: [T, N, D] -> [1, T, N, D]; [T, D] -> [1, T, 1, D].
-LIFT = {4: (), 3: (0,), 2: (0, 2)}
-
-
-def finish(b: GraphBuilder, rot: rotation.Rotation, source: Node, out: Node) -> Node:
-    """The fused op's output as the anchor's value: with the lanes around it copied from x
-    (a partial RoPE), its leading dims permuted as the subgraph's were, in the anchor's shape."""
-    if rot.passthrough:
-        head_dim = rot.head_dim
-        parts = [b.cast(b.call(aten.slice.Tensor, source, -1, lo, hi), rot.out_dtype)
-                 for lo, hi in ((0, rot.start), (rot.end, head_dim)) if hi > lo]
-        out = b.call(aten.cat.default, [*parts[:1], out, *parts[1:]] if rot.start else [out, *parts], -1)
-    if rot.lead_perm:  # the subgraph rotated x, then permuted its leading dims
-        out = b.call(aten.permute.default, out, [*rot.lead_perm, len(rot.lead_perm)])
-    shape = val(rot.anchor).shape
-    if len(shape) != val(out).dim():
-        sizes = [static_int(s) if static_int(s) is not None else b.call(aten.sym_size.int, rot.anchor, i)
-                 for i, s in enumerate(shape)]
-        out = b.call(aten.view.default, out, sizes)
-    if val(rot.anchor).is_contiguous() and not val(out).is_contiguous():  # a cat's result is contiguous
-        out = b.call(aten.clone.default, out, memory_format=torch.contiguous_format)
-    return out

@@ -7,34 +7,63 @@ any order; ``x2`` a Python scalar, a scalar-like tensor, or a tensor of grad's s
 * v2: ``y = (x1 * sub) * x2``
 * decomposed ``_softmax_backward_data``: ``y = (m0 - x1 * sum(m0, -1, keepdim)) * x2``, ``m0 = grad * x1``,
   or with ``fma(-x1, sum(m0), m0)`` for the Sub, as inductor's decompositions write it
-* training graphs: ``y = _softmax_backward_data(grad, x1, -1, dtype) * x2`` (or ``/ scale``).
+* training graphs: ``y = _softmax_backward_data(grad, x1, -1, dtype) * x2``.
+* any of these divided by a Python number instead (``softmax(logits / T)``): x2 = 1/T.
 * any of these with layout-only ops (views, clones, copies into a fresh buffer) between the
   chain and its scale, as Falcon's in-place ``scores /= sqrt(d)`` leaves them in the backward
   graph (with the copies that write ``y`` back into the view); the result is viewed back to
   ``y``'s shape, which must be contiguous. A scale expanded from one element is that element.
+* a scalar scale behind a *linear region*: ops ``f`` with ``f(s * v) = s * f(v)`` between the
+  softmax backward and its scale: dtype casts (``softmax(..., dtype=float32).to(bf16)``, autocast),
+  slices, views, negations, sums, adds of two such values and scatters of one into zeros. The
+  region is computed again on the fused op's (scaled) result, so the scale moves to the front:
+  attention sinks (``cat([logits, sink])``, softmax, ``[..., :-1]``: the softmax backward of the
+  whole row, the weights' slice scaled, the sink column's gradient and the gradient of a
+  subtracted row max read off the same row) and two softmax backwards summed before one
+  scale. A region value also read elsewhere unscaled (the sink's gradient) is given back as the
+  scaled value times 1/s, where that costs fewer elements than the multiply the fusion removes.
 
-Constraints (each failure is a near-miss with its reason): reduction over the last
-dim with keepdim; grad and x1 of equal shape, rank 1..6, not empty, one dtype in
-fp16/fp32/bf16; x2 scalar-like or grad's shape, of that dtype; static shapes; the
-first Mul and the Sub share grad and both Muls share x1 (by construction of the
-match; ``sum - grad`` is different math and never matches); no intermediate used
-outside the chain; no rewrite that would make the fused op depend on its own
-output. The SoC limit (the GE op exists on Ascend950 only) is the op's ``@soc_limits``.
+Precision: the fused op computes in the softmax backward's own dtype (float32 for
+``softmax(..., dtype=float32)`` and autocast), the casts after it stay outside it and are
+applied to its result. A cast that rounds before the scale while the scale's result is wider
+(bf16 widened to float32, then scaled in float32) cannot be reproduced by one rounding: refused,
+naming the cast.
+
+Constraints (each failure is a near-miss with its reason): the op's own argument rules
+(``check_softmax_grad_ext_args``: reduction over the last dim with keepdim, grad and x1 of
+equal shape, rank 1..6, not empty, one float dtype, x2 scalar-like or grad's shape), asked
+of the op on the arguments the replacement gives it; static shapes; a number scale that stays
+a normal number in grad's dtype; a divisor that is a number (1/T of a tensor T is not eager's
+division for every T); the first Mul and the Sub share grad and both Muls share x1 (by
+construction of the match; ``sum - grad`` is different math and never matches); no intermediate
+used outside the chain, except one elementwise op of the chain's inputs (``neg(x1)``, ``grad * x1``,
+which inductor shares between two softmax backwards of one softmax): it stays in the graph for
+its other users and the fused op computes its value itself; no rewrite that would make the fused
+op depend on its own output. The SoC limit (the GE op exists on Ascend950 only) is the op's
+``unavailable_on``.
+
+No silent site: every softmax backward (``_softmax_backward_data`` and the decomposed chains
+above) that no scale multiply takes is a near-miss saying where its result goes; on inductor, an
+attention that inductor's own joint-graph pattern turned into scaled_dot_product_attention is a
+near-miss saying so (the backward graph then holds an SDPA backward no user code called).
 """
 
 import dataclasses
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 from torch.fx import Node
 
-from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
-from ..graph_utils import aten, describe, is_call, norm_dim, static_int, users_outside, val
-from ..lowering.ops.softmax_grad_ext import FLOAT_DTYPES
-from ..matchers import LayoutPath, binary_operands, scalar_like, through_layout, written_back
+from ..fusion import (FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, check_op_args, register_fusion,
+                      same_significant_strides)
+from ..graph_utils import VIEWS, aten, describe, is_call, shape_eq, static_int, users_outside, val
+from ..matchers import DTYPE_CASTS, binary_operands
+from npu_fuse_backend.lowering.ops.softmax_grad import check_softmax_grad_ext_args
 
 Scalar = (int, float)
+SOFTMAX_GRAD_EXT = torch.ops.npu_fuse.softmax_grad_ext.default
+FMA = torch.ops.prims.fma.default
 
 
 def _other(pair, item) -> Optional[object]:
@@ -50,7 +79,8 @@ def _plain_sub(node) -> bool:
     return binary_operands(node, aten.sub.Tensor) is not None
 
 
-class ReducedProduct(NamedTuple):
+@dataclasses.dataclass
+class ReducedProduct:
     """``sum(a * b, dims, keepdim)``."""
 
     product: Node
@@ -69,6 +99,73 @@ def sum_of_product(node) -> Optional[ReducedProduct]:
     return ReducedProduct(product, list(dims or []), keepdim)
 
 
+# -- layout-only ops between the chain and its scale -------------------------------------------
+FRESH_BUFFERS = (aten.empty.memory_format, aten.new_empty.default, aten.new_empty_strided.default,
+                 aten.empty_like.default, aten.empty_strided.default)
+
+
+@dataclasses.dataclass
+class LayoutPath:
+    """``node`` computed from ``source`` by ops that only lay the same values out anew
+    (row-major order kept): its value is ``source.reshape(node's shape)``."""
+
+    source: Any
+    nodes: list  # the layout ops, and the fresh buffers values were copied into
+
+
+def copied_into_fresh_buffer(node) -> Optional[Node]:
+    """src for ``copy(empty(...), src)`` of src's shape and dtype (``x.new_empty(...).copy_(src)``
+    after functionalization)."""
+    if not (is_call(node, aten.copy.default) and is_call(node.args[0], *FRESH_BUFFERS) and len(node.args) == 2):
+        return None
+    src = node.args[1]
+    if not (isinstance(src, Node) and shape_eq(val(node).shape, val(src).shape) and val(node).dtype == val(src).dtype):
+        return None
+    return src
+
+
+def through_layout(node) -> LayoutPath:
+    """Walk back from node over view/reshape/_unsafe_view, clone and copies into fresh buffers.
+    Each keeps the values in row-major order, so a replacement computing ``source`` gives node's
+    value as a view of its contiguous result."""
+    nodes = []
+    while True:
+        if is_call(node, *VIEWS, aten.clone.default) and isinstance(node.args[0], Node):
+            if is_call(node, aten.clone.default) and set(node.kwargs) - {"memory_format"}:
+                break
+            nodes.append(node)
+            node = node.args[0]
+            continue
+        src = copied_into_fresh_buffer(node)
+        if src is None:
+            break
+        nodes += [node, node.args[0]]
+        node = src
+    return LayoutPath(node, nodes)
+
+
+def scalar_like(node) -> Any:
+    """The one-element tensor (or number) behind ``expand``/views of it, else node itself."""
+    while is_call(node, aten.expand.default, *VIEWS) and isinstance(node.args[0], Node) \
+            and val(node.args[0]).numel() == 1:
+        node = node.args[0]
+    return node
+
+
+def written_back(node: Node, layout: LayoutPath) -> list:
+    """``copy(dst, node)`` users whose dst is one of layout's nodes and has node's shape, dtype and
+    strides: each equals node's value (the functional form of an in-place op on a view,
+    ``scores /= s``)."""
+    copies = []
+    for user in node.users:
+        if is_call(user, aten.copy.default) and user.args[1] is node and user.args[0] in layout.nodes:
+            dst, value = val(user.args[0]), val(node)
+            if shape_eq(dst.shape, value.shape) and shape_eq(dst.stride(), value.stride()) \
+                    and dst.dtype == value.dtype:
+                copies.append(user)
+    return copies
+
+
 def _scale_value(x2, inverted: bool) -> float:
     return 1.0 / x2 if inverted else float(x2)
 
@@ -85,6 +182,14 @@ def _check_scalar_scale(x2, inverted: bool, dtype: torch.dtype) -> None:
                        f"softmax_grad_ext takes it as a {dtype} tensor, eager multiplies in float32")
 
 
+def _check_divisor(x2, inverted: bool) -> None:
+    if inverted and isinstance(x2, torch.Tensor):
+        raise NotFused("the chain is divided by a tensor: softmax_grad_ext multiplies by x2, and x2 = 1/T "
+                       "equals eager's division only where 1/T is a normal number (a subnormal T gives "
+                       "inf, 0/T gives 0 but 0*inf NaN), which the compile cannot know of a tensor; a "
+                       "Python-number divisor or a multiply by a tensor scale fuses")
+
+
 def _leading_ones_of(shape, base) -> bool:
     """shape is base with zero or more leading 1s (what a one-element x2 of higher rank makes)."""
     extra = len(shape) - len(base)
@@ -95,13 +200,23 @@ def _shape_of(x2) -> str:
     return str(list(x2.shape)) if isinstance(x2, torch.Tensor) else "a number"
 
 
+def _numel(node) -> Optional[int]:
+    """The static element count of node's value (None when symbolic)."""
+    sizes = [static_int(s) for s in val(node).shape]
+    return None if None in sizes else math.prod(sizes)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 @dataclasses.dataclass
 class SoftmaxBackward:
     """A matched chain: ``x2 * x1 * (grad - sum(grad * x1, dims, keepdim))``."""
 
     grad: Node
     x1: Node
-    x2: Any  # a node, or a Python scalar
+    x2: Any  # a node, or a Python scalar (None for an unscaled core)
     nodes: list
     dims: list
     keepdim: bool
@@ -113,26 +228,173 @@ class SoftmaxBackward:
         self.nodes = list(dict.fromkeys(self.nodes))
 
 
+# -- one elementwise op of a chain's inputs, shared with another chain ------------------------------
+SHAREABLE_ELEMENTWISE = (aten.neg.default, aten.mul.Tensor)
+
+
+def _shareable(node: Node, inside: set) -> bool:
+    """node is one elementwise op computed from values outside the subgraph (``neg(x1)``, ``grad * x1``):
+    the fused op computes that value itself, so node can stay in the graph for its other users."""
+    return is_call(node, *SHAREABLE_ELEMENTWISE) and all(i not in inside for i in node.all_input_nodes)
+
+
+def _without_shared(nodes: list, outputs: list) -> list:
+    """nodes less those a user outside them reads that may stay for it (see :func:`_shareable`)."""
+    inside = set(nodes) | set(outputs)
+    return [n for n in nodes if n in outputs or not (_shareable(n, inside) and any(u not in inside for u in n.users))]
+
+
+def _leak_reason(leaked: Node) -> str:
+    return (f"intermediate {describe(leaked)} is used outside the subgraph (it reads the chain's own values, "
+            "so it cannot stay for its other users as one elementwise op of the chain's inputs could)")
+
+
+# -- linear regions: ops f with f(s * v) = s * f(v) ------------------------------------------------
+UNARY_LINEAR = (*VIEWS, aten.clone.default, aten.slice.Tensor, aten.select.int, aten.permute.default,
+                aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
+                aten.squeeze.dims, aten.alias.default, aten.expand.default, aten.neg.default, aten.sum.dim_IntList,
+                aten.slice_backward.default, aten.select_backward.default)
+CAST_KWARGS = {"dtype", "layout", "device", "memory_format"}
+ZERO_FILLS = (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default)
+ZERO_FILLS_WITH_VALUE = {aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2}
+REGION_LIMIT = 32  # nodes a region walk visits before it gives up (keeps matching linear in graph size)
+
+
+def is_zero_fill(node) -> bool:
+    """A tensor of zeros (``zeros``, ``new_zeros``, ``full(..., 0)``...): linear in anything."""
+    if is_call(node, *ZERO_FILLS):
+        return True
+    position = ZERO_FILLS_WITH_VALUE.get(node.target) if isinstance(node, Node) else None
+    return position is not None and is_call(node, node.target) and len(node.args) > position \
+        and node.args[position] == 0 and not isinstance(node.args[position], bool)
+
+
+def _float_cast(node: Node) -> bool:
+    if not is_call(node, *DTYPE_CASTS) or set(node.kwargs) - CAST_KWARGS:
+        return False
+    if node.kwargs.get("memory_format") not in (None, torch.preserve_format):
+        return False
+    source, result = val(node.args[0]), val(node)
+    return source.is_floating_point() and result.is_floating_point() and source.device == result.device
+
+
+LINEAR_TARGETS = frozenset((*UNARY_LINEAR, *DTYPE_CASTS, aten.add.Tensor, aten.sub.Tensor, aten.scatter.src,
+                            aten.scatter_add.default, aten.slice_scatter.default, aten.cat.default,
+                            aten.copy.default))
+CORE_TARGETS = frozenset((aten._softmax_backward_data.default, FMA, aten.sub.Tensor, aten.mul.Tensor))
+
+
+def linear_operands(node) -> Optional[list]:
+    """[(operand, role)] when node is linear in its "linear" operands (each a linear value or zeros)
+    and computed with "free" ones that must not depend on them ("layout": only the layout is read,
+    a linear value or a fill); None for any other op."""
+    if not isinstance(node, Node) or node.op != "call_function" or node.target not in LINEAR_TARGETS \
+            or not isinstance(val(node), torch.Tensor):
+        return None
+    args = node.args
+    if is_call(node, *UNARY_LINEAR) and isinstance(args[0], Node):
+        if is_call(node, aten.sum.dim_IntList) and node.kwargs.get("dtype") is not None:
+            return None
+        if is_call(node, aten.clone.default) and set(node.kwargs) - {"memory_format"}:
+            return None
+        return [(args[0], "linear"), *((a, "free") for a in args[1:] if isinstance(a, Node))]
+    if _float_cast(node):
+        return [(args[0], "linear")]
+    if is_call(node, aten.add.Tensor, aten.sub.Tensor) and len(args) == 2 and all(isinstance(a, Node) for a in args) \
+            and set(node.kwargs) <= {"alpha"} and not isinstance(node.kwargs.get("alpha", 1), Node):
+        return [(args[0], "linear"), (args[1], "linear")]
+    if is_call(node, aten.scatter.src, aten.scatter_add.default) and len(args) == 4 and not node.kwargs \
+            and all(isinstance(a, Node) for a in (args[0], args[2], args[3])):
+        return [(args[0], "linear"), (args[2], "free"), (args[3], "linear")]
+    if is_call(node, aten.slice_scatter.default) and all(isinstance(a, Node) for a in args[:2]):
+        return [(args[0], "linear"), (args[1], "linear")]
+    if is_call(node, aten.cat.default) and all(isinstance(a, Node) for a in args[0]):
+        return [(a, "linear") for a in args[0]]
+    if is_call(node, aten.copy.default) and len(args) == 2 and all(isinstance(a, Node) for a in args) \
+            and not node.kwargs and val(args[1]).is_floating_point():
+        # functional copy_: src's values (cast to dst's dtype) in dst's layout; dst's values are overwritten
+        return [(args[0], "layout"), (args[1], "linear")]
+    return None
+
+
+def is_fill(node, role: str) -> bool:
+    """A value a region may read whatever it is scaled by: zeros, or (as the destination of a copy,
+    whose values are overwritten) a fresh buffer."""
+    return is_zero_fill(node) or (role == "layout" and is_call(node, *FRESH_BUFFERS))
+
+
+@dataclasses.dataclass
+class Region:
+    """The values between one or more softmax backwards (``cores``) and a scalar scale."""
+
+    cores: dict  # core node -> its SoftmaxBackward (x2 None)
+    nodes: list  # the region's ops in graph order (the cores excluded)
+    operand: Node  # the value the scale multiplies
+    exits: list = dataclasses.field(default_factory=list)  # region values read elsewhere, unscaled
+    scale: Any = None  # y's other operand
+    copies: list = dataclasses.field(default_factory=list)  # copy(region view, y): each equals y
+    inverted: bool = False  # y divides by scale
+
+    def core_nodes(self) -> list:
+        return [n for core in self.cores.values() for n in core.nodes]
+
+
 @register_fusion
-class SoftmaxGradExtFusion(FusionPass):
+class SoftmaxGradFusion(FusionPass):
     """Mul -> ReduceSum -> Sub -> Mul -> Mul, or softmax backward * scale -> softmax_grad_ext."""
 
     name = "softmax_grad"
-    family = "softmax_grad"
     op = "softmax_grad_ext"
     anchor_targets = (aten.mul.Tensor, aten.div.Tensor)
 
+    # -- anchors: scale multiplies first, then the softmax backwards none of them took ------------
+    def anchors(self, ctx: PassContext):
+        scales, sites, sdpa = [], [], []
+        for node in ctx.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target in self.anchor_targets:
+                scales.append(node)
+            elif is_call(node, aten._softmax_backward_data.default, FMA, aten.sub.Tensor):
+                sites.append(node)
+            elif ctx.kind == "backward" and node.target in SDPA_BACKWARD and made_by_compiler(node):
+                sdpa.append(node)
+        self._covered = (ctx, set())  # softmax backwards a scale anchor took, fused or not
+        return [*scales, *sites, *sdpa]
+
     def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
+        if anchor.target in SDPA_BACKWARD:
+            raise NotFused(_sdpa_reason(anchor), near=_traced_neighbours(anchor))
+        if anchor.target not in self.anchor_targets:
+            return self._silent_site(ctx, anchor)
         if len(anchor.args) != 2:
             return None
         chain = self._match_softmax_backward_data(anchor) or self._match_decomposed(anchor) or \
             self._match_through_layout(anchor)
-        return self._check_and_rewrite(ctx, anchor, chain) if chain is not None else None
+        if chain is not None:
+            self._cover(ctx, chain.nodes)
+            return self._check_and_rewrite(ctx, anchor, chain)
+        region = self._match_region(ctx, anchor)
+        return self._check_and_rewrite_region(ctx, anchor, region) if region is not None else None
+
+    def _walk(self, ctx: PassContext) -> "_RegionWalk":
+        """The linear-region walk of this pass over ctx's graph (its answers shared by every anchor)."""
+        walk = getattr(self, "_region_walk", None)
+        if walk is None or walk[0] is not ctx:
+            walk = self._region_walk = (ctx, _RegionWalk(self))
+        return walk[1]
+
+    def _cover(self, ctx: PassContext, nodes) -> None:
+        covered = getattr(self, "_covered", None)
+        if covered is not None and covered[0] is ctx:
+            covered[1].update(nodes)
 
     # -- patterns ---------------------------------------------------------------------
     def _match_through_layout(self, y: Node) -> Optional[SoftmaxBackward]:
         """A chain whose result reaches the scale through layout-only ops."""
         for i, operand in enumerate(y.args):
+            if y.target == aten.div.Tensor and i != 0:
+                break
             path = through_layout(operand)
             if not path.nodes:
                 continue
@@ -148,20 +410,22 @@ class SoftmaxGradExtFusion(FusionPass):
     @staticmethod
     def _match_softmax_backward_data(y: Node, args: Optional[tuple] = None) -> Optional[SoftmaxBackward]:
         args = y.args if args is None else args
+        inverted = y.target == aten.div.Tensor
         for sbd, x2 in (args, args[::-1]):
             if not is_call(sbd, aten._softmax_backward_data.default):
                 continue
-            if y.target == aten.div.Tensor and (sbd is not args[0] or not isinstance(x2, Scalar)):
+            if inverted and sbd is not args[0]:  # the softmax backward is the divisor: not a scale
                 return None
-            grad, x1, dim = sbd.args[:3]
-            return SoftmaxBackward(grad, x1, x2, [sbd], [dim], True, scale_inverted=y.target == aten.div.Tensor,
-                                   form="softmax_backward_data")
+            return _sbd_chain(sbd, x2, inverted)
         return None
 
     def _match_decomposed(self, y: Node, args: Optional[tuple] = None) -> Optional[SoftmaxBackward]:
-        if y.target != aten.mul.Tensor:
-            return None
         args = y.args if args is None else args
+        if y.target == aten.div.Tensor:  # (decomposed chain) / T
+            core = self._unscaled_core(args[0]) if isinstance(args[0], Node) else None
+            if core is None or is_call(args[0], aten._softmax_backward_data.default):
+                return None
+            return dataclasses.replace(core, x2=args[1], scale_inverted=True)
         for a, b in (args, args[::-1]):
             # v2: (x1 * sub) * x2   |   v1: sub * (x2 * x1)   |   decomposed sbd: (m0 - x1 * s) * x2
             a_ops = binary_operands(a, aten.mul.Tensor)
@@ -180,7 +444,7 @@ class SoftmaxGradExtFusion(FusionPass):
                 found = self._from_decomposed_sbd(a, x2=b)
                 if found is not None:
                     return found
-            if is_call(a, torch.ops.prims.fma.default):
+            if is_call(a, FMA):
                 found = self._from_fma(a, x2=b)
                 if found is not None:
                     return found
@@ -242,6 +506,237 @@ class SoftmaxGradExtFusion(FusionPass):
             return SoftmaxBackward(grad, x1, x2, [sub, scaled, total, m0], reduced.dims, reduced.keepdim)
         return None
 
+    def _unscaled_core(self, node: Node) -> Optional[SoftmaxBackward]:
+        """The softmax backward ``x1 * (grad - sum(grad * x1))`` that node computes, before any scale."""
+        if is_call(node, aten._softmax_backward_data.default):
+            return _sbd_chain(node, None)
+        if is_call(node, FMA):
+            return self._from_fma(node, None)
+        if _plain_sub(node):
+            return self._from_decomposed_sbd(node, None)
+        ops = binary_operands(node, aten.mul.Tensor)
+        for sub in ops or ():
+            if _plain_sub(sub):
+                try:
+                    found = self._from_sub(sub, x1_hint=_other(ops, sub), x2=None, extra=[node])
+                except NotFused:
+                    return None
+                if found is not None:
+                    return found
+        return None
+
+    # -- linear regions between softmax backwards and a scalar scale -------------------------------
+    def _match_region(self, ctx: PassContext, y: Node) -> Optional[Region]:
+        """y = region(softmax backwards) * s (or / s) with the region linear: see the module docstring."""
+        inverted = y.target == aten.div.Tensor
+        for i, operand in enumerate(y.args):
+            if inverted and i != 0:
+                break
+            if linear_operands(operand) is None:
+                continue
+            walk = self._walk(ctx)
+            walk.budget = REGION_LIMIT
+            try:
+                found = walk.linear(operand)
+            except _TooLarge:
+                continue
+            if not found:
+                continue
+            cores, members, free = walk.region(operand)
+            if not cores:
+                continue
+            region = Region(cores, members, operand)
+            if self._free_operands_depend_on(ctx, free, region):
+                continue
+            return self._extended(ctx, region, y, y.args[1 - i], inverted)
+        return None
+
+    def _free_operands_depend_on(self, ctx: PassContext, free: list, region: Region) -> bool:
+        """A "free" operand (a scatter's indices) computed from the softmax backwards makes the region
+        non-linear in them."""
+        tensors = [n for n in free if isinstance(val(n), torch.Tensor)]  # sizes are not values
+        return bool(tensors) and _reaches(ctx, tensors, {*region.core_nodes(), *region.cores, *region.nodes}) \
+            is not None
+
+    def _extended(self, ctx: PassContext, region: Region, y: Node, scale, inverted: bool) -> Region:
+        """region grown forward over the linear ops its other users are (the sink's slice and sum),
+        so that what leaves it unscaled is as small as the graph allows; and its exits."""
+        inside = {*region.nodes, *region.cores, *region.core_nodes()}
+        frontier = [*region.cores, *region.nodes]
+        grown = 0
+        while frontier and grown < REGION_LIMIT:
+            node = frontier.pop()
+            for user in list(node.users):
+                if user in inside or user is y or is_fill(user, "layout"):
+                    continue
+                spec = linear_operands(user)
+                if spec is None:
+                    continue
+                fills = [op for op, role in spec if role != "free" and op not in inside and is_fill(op, role)]
+                if not all(op in inside or op in fills if role != "free" else
+                           not isinstance(val(op), torch.Tensor) or _reaches(ctx, [op], inside) is None
+                           for op, role in spec):
+                    continue
+                # the replacement is built before y: what the grown node reads from outside must exist there
+                reads = [op for op in user.all_input_nodes if op not in inside]
+                if any(ctx.position(op) > ctx.position(y) for op in reads):
+                    continue
+                for added in [*(f for f in fills if any(i in inside for i in f.all_input_nodes)), user]:
+                    inside.add(added)
+                    region.nodes.append(added)
+                frontier.append(user)
+                grown += 1
+        region.nodes.sort(key=ctx.position)
+        members = {*region.nodes, *region.cores}
+        # copies writing y back into a region view (the functional form of ``scores *= s``) equal y
+        region.copies = written_back(y, LayoutPath(region.operand, region.nodes))
+        region.exits = [n for n in sorted(members, key=ctx.position)
+                        if any(u not in members and u is not y and u not in region.copies for u in n.users)]
+        region.scale, region.inverted = scale, inverted
+        return region
+
+    def _check_and_rewrite_region(self, ctx: PassContext, y: Node, region: Region) -> Rewrite:
+        self._cover(ctx, [*region.core_nodes(), *region.nodes])
+        x2 = scalar_like(region.scale)
+        inverted = region.inverted
+        cores = region.cores
+        for core in cores.values():
+            for name, t in (("grad", val(core.grad)), ("x1", val(core.x1))):
+                symbolic = [s for s in t.shape if static_int(s) is None]
+                if symbolic:
+                    raise NotFused(f"{name} has symbolic dim {symbolic[0]}: SoftmaxGradExt needs static shapes")
+        scale = val(x2)
+        _check_divisor(scale, inverted)
+        if isinstance(scale, torch.Tensor) and scale.numel() != 1:
+            raise NotFused(f"x2 {x2.name} is a full tensor behind {describe(region.nodes[-1])}: only a scalar "
+                           "scale is the same before and after the ops between the softmax backward and it")
+        if not isinstance(scale, torch.Tensor) and (not isinstance(x2, Scalar) or isinstance(x2, bool)):
+            raise NotFused(f"x2 {x2!r} is not a number or tensor")
+        for core in cores.values():
+            grad = val(core.grad)
+            if not isinstance(scale, torch.Tensor):
+                _check_scalar_scale(x2, inverted, grad.dtype)
+            with ctx.fake_mode:
+                fake = torch.empty(1, dtype=grad.dtype, device=grad.device) if not isinstance(scale, torch.Tensor) \
+                    else _scale_operand(scale, grad.dtype)
+            check_op_args(check_softmax_grad_ext_args, grad, val(core.x1), fake, core.dims, core.keepdim)
+        operand = val(region.operand)
+        if not _leading_ones_of(val(y).shape, operand.shape):
+            raise NotFused(f"the result has shape {list(val(y).shape)} (x2 {_shape_of(scale)} broadcasts it), "
+                           f"but the ops after softmax_grad_ext give shape {list(operand.shape)}")
+        self._check_rounding(region, [(y, region.operand), *((e, e) for e in region.exits)])
+        factor = self._check_exits(region, y, x2, inverted)
+        inside = {*region.nodes, *region.cores}
+        for exit_node in region.exits:  # the replacement is built before y: every reader must come after it
+            early = [u for u in exit_node.users if u not in inside and u is not y and u not in region.copies
+                     and ctx.position(u) < ctx.position(y)]
+            if early:
+                raise NotFused(f"{describe(early[0])} reads {exit_node.name} before {y.name} computes the scaled "
+                               "result it would be given back from")
+        if isinstance(x2, Node):
+            cycle = _reaches(ctx, [x2], inside | set(region.core_nodes()))
+            if cycle is not None:
+                raise NotFused(f"x2 depends on {describe(cycle)} of the chain: fusing would make the op depend "
+                               "on its own output")
+        outputs = [y, *region.copies, *region.exits]
+        nodes = _without_shared([*region.core_nodes(), *region.nodes], outputs)
+        leaked = users_outside(nodes, outputs)
+        if leaked is not None:
+            raise NotFused(_leak_reason(leaked))
+
+        def build(b: GraphBuilder) -> dict:
+            env = {}
+            for node, core in cores.items():
+                grad = val(core.grad)
+                fused_scale = self._scale_arg(b, x2, inverted, grad)
+                env[node] = b.cast(b.call(SOFTMAX_GRAD_EXT, core.grad, core.x1, fused_scale, [-1], True),
+                                   val(node).dtype)
+            for node in region.nodes:
+                args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda n: env.get(n, n))
+                env[node] = b.call(node.target, *args, **kwargs)
+            out = env[region.operand]
+            if val(y).dim() != val(out).dim():  # a one-element x2 of higher rank adds leading 1s
+                out = b.call(aten.view.default, out, list(val(y).shape))
+            out = b.cast(out, val(y).dtype)
+            if val(y).is_contiguous() and not same_significant_strides(val(out), val(y)):
+                # y is a fresh tensor and the region ends in a view (a slice of the row): lay it out as y
+                out = b.call(aten.clone.default, out, memory_format=torch.contiguous_format)
+            replaced = {y: out, **{copy: out for copy in region.copies}}
+            for node in region.exits:
+                replaced[node] = b.call(aten.mul.Tensor, env[node], factor)
+            return replaced
+
+        ops = sorted({getattr(n.target, "__name__", str(n.target)).split(".")[0] for n in region.nodes})
+        detail = f"{' + '.join(c.form for c in cores.values())}, scale moved in front of {', '.join(ops)}"
+        if region.exits:
+            detail += f"; {', '.join(e.name for e in region.exits)} given back unscaled (x 1/scale)"
+        return Rewrite(y, [*nodes, *region.copies], self.op, build, detail=detail)
+
+    @staticmethod
+    def _check_rounding(region: Region, outputs: list) -> None:
+        """Each output must be no wider than every rounding on its way from the softmax backward: the
+        region is computed on the scaled value, so each of its roundings moves to after the scale."""
+        widest: dict = {}  # node -> (eps of the coarsest rounding on its way, the node that rounds)
+
+        def coarsest(node: Node):
+            if node in widest:
+                return widest[node]
+            dtype = val(node).dtype
+            found = (torch.finfo(dtype).eps, node)
+            if node in region.cores:
+                grad = val(region.cores[node].grad).dtype
+                found = max(found, (torch.finfo(grad).eps, node), key=lambda f: f[0])
+            elif node in region.nodes or node is region.operand:
+                for operand, role in linear_operands(node) or ():
+                    if role == "linear" and (operand in region.nodes or operand in region.cores):
+                        found = max(found, coarsest(operand), key=lambda f: f[0])
+            widest[node] = found
+            return found
+
+        for output, value in outputs:
+            eps, rounding = coarsest(value)
+            dtype = val(output).dtype
+            if torch.finfo(dtype).eps < eps:
+                narrow = _dtype_name(val(rounding).dtype)
+                raise NotFused(f"{describe(rounding)} rounds the softmax backward to {narrow} before "
+                               f"{describe(output)} computes in {_dtype_name(dtype)}: eager rounds before the "
+                               f"scale, softmax_grad_ext once after it, and the difference exceeds "
+                               f"{_dtype_name(dtype)}'s tolerance")
+
+    @staticmethod
+    def _check_exits(region: Region, y: Node, x2, inverted: bool) -> Optional[float]:
+        """The factor that gives an exit its unscaled value back (1/scale), if exits cost less than the
+        multiply the fusion removes."""
+        if not region.exits:
+            return None
+        names = ", ".join(describe(e) for e in region.exits)
+        if not isinstance(x2, Scalar) or x2 == 0:
+            raise NotFused(f"{names} also read(s) the softmax backward unscaled, and the scale {x2} is not a "
+                           "nonzero number: its value cannot be given back from the scaled result")
+        factor = float(x2) if inverted else 1.0 / x2
+        for exit_node in region.exits:
+            _check_scalar_scale(factor, False, val(exit_node).dtype)
+        cost, saved = sum(_numel(e) or 0 for e in region.exits), _numel(y) or 0
+        if cost >= saved:
+            users = ", ".join(describe(u) for e in region.exits for u in e.users if u not in region.nodes and u is not y)
+            raise NotFused(f"{names} is also read unscaled by {users}: giving it back from the scaled result "
+                           f"costs {cost} elements, more than the {saved} of the multiply the fusion removes")
+        return factor
+
+    @staticmethod
+    def _scale_arg(b: GraphBuilder, x2, inverted: bool, grad: torch.Tensor) -> Node:
+        """x2 as softmax_grad_ext takes it: a [1] tensor of grad's dtype for a number, a one-element
+        tensor viewed as [1] (and widened to grad's dtype, which is exact) for a tensor."""
+        if not isinstance(x2, Node):
+            return b.call(aten.full.default, [1], _scale_value(x2, inverted), dtype=grad.dtype, device=grad.device,
+                          pin_memory=False)
+        scale = x2
+        if val(scale).numel() == 1 and tuple(val(scale).shape) not in ((), (1,)):
+            scale = b.call(aten.view.default, scale, [1])
+        if _widens(val(scale).dtype, grad.dtype):
+            scale = b.cast(scale, grad.dtype)
+        return scale
+
     # -- constraints and replacement ------------------------------------------------------
     def _check_and_rewrite(self, ctx: PassContext, y: Node, chain: SoftmaxBackward) -> Rewrite:
         chain.x2 = scalar_like(chain.x2)
@@ -259,7 +754,7 @@ class SoftmaxGradExtFusion(FusionPass):
                 scale = b.call(aten.full.default, [1], _scale_value(x2, chain.scale_inverted), dtype=dtype,
                                device=val(grad).device,
                                pin_memory=False)
-            out = b.call(torch.ops.npu_fuse.softmax_grad_ext.default, grad, x1, scale, [-1], True)
+            out = b.call(SOFTMAX_GRAD_EXT, grad, x1, scale, [-1], True)
             if val(y).dim() != val(grad).dim():  # a one-element x2 of higher rank adds leading 1s
                 out = b.call(aten.view.default, out, list(val(y).shape))
             if val(y).dtype != dtype:
@@ -277,33 +772,22 @@ class SoftmaxGradExtFusion(FusionPass):
             symbolic = [s for s in t.shape if static_int(s) is None]
             if symbolic:
                 raise NotFused(f"{name} has symbolic dim {symbolic[0]}: SoftmaxGradExt needs static shapes")
-        if grad.shape != x1.shape:
-            raise NotFused(f"grad shape {list(grad.shape)} != x1 shape {list(x1.shape)}")
-        if not 1 <= grad.dim() <= 6:
-            raise NotFused(f"grad is {grad.dim()}-D; SoftmaxGradExt takes 1-D to 6-D")
-        if grad.numel() == 0:
-            raise NotFused(f"grad shape {list(grad.shape)} is empty; SoftmaxGradExt takes no empty tensors")
+        _check_divisor(x2, chain.scale_inverted)
+        if not isinstance(x2, torch.Tensor):
+            if not isinstance(chain.x2, Scalar) or isinstance(chain.x2, bool):
+                raise NotFused(f"x2 {chain.x2!r} is not a number or tensor")
+            _check_scalar_scale(chain.x2, chain.scale_inverted, grad.dtype)
+        with ctx.fake_mode:  # the scale as the replacement passes it: one element as [1], a number as a tensor
+            if not isinstance(x2, torch.Tensor):
+                scale = torch.empty(1, dtype=grad.dtype, device=grad.device)
+            else:
+                scale = x2.view(1) if x2.numel() == 1 and tuple(x2.shape) not in ((), (1,)) else x2
+        check_op_args(check_softmax_grad_ext_args, grad, x1, scale, chain.dims, chain.keepdim)
         # the scale's operand: grad's shape, or through layout ops the same values laid out anew
         operand = val(chain.layout.nodes[0]) if chain.layout else grad
         if not _leading_ones_of(val(y).shape, operand.shape):
             raise NotFused(f"the result has shape {list(val(y).shape)} (x2 {_shape_of(x2)} broadcasts it), "
                            f"but softmax_grad_ext returns grad's values in shape {list(operand.shape)}")
-        if len(chain.dims) != 1 or norm_dim(chain.dims[0], grad.dim()) != grad.dim() - 1:
-            raise NotFused(f"reduction over dims {chain.dims}, not the last dim only")
-        if not chain.keepdim:
-            raise NotFused("the reduction drops the reduced dim (keep_dims must be true)")
-        if grad.dtype not in FLOAT_DTYPES or x1.dtype != grad.dtype:
-            raise NotFused(f"grad/x1 dtypes {grad.dtype}/{x1.dtype}: one of float16, bfloat16, float32 required")
-        if isinstance(x2, torch.Tensor):
-            if x2.dtype != grad.dtype:
-                raise NotFused(f"x2 dtype {x2.dtype} != grad dtype {grad.dtype}")
-            if x2.numel() != 1 and x2.shape != grad.shape:
-                raise NotFused(f"x2 shape {list(x2.shape)} is neither scalar-like nor grad's shape "
-                               f"{list(grad.shape)}")
-        elif not isinstance(chain.x2, Scalar) or isinstance(chain.x2, bool):
-            raise NotFused(f"x2 {chain.x2!r} is not a number or tensor")
-        else:
-            _check_scalar_scale(chain.x2, chain.scale_inverted, grad.dtype)
         cycle = self._depends_on_chain(ctx, chain)
         if cycle is not None:
             raise NotFused(f"x2 depends on {describe(cycle)} of the chain: fusing would make the op depend "
@@ -315,24 +799,232 @@ class SoftmaxGradExtFusion(FusionPass):
             if not val(y).is_contiguous():
                 raise NotFused(f"{y.name} has strides {list(val(y).stride())}: the fused op's contiguous "
                                "result viewed to its shape would not match them")
+        chain.nodes = _without_shared(chain.nodes, [y, *copies])
         leaked = users_outside(chain.nodes, [y, *copies])
         if leaked is not None:
-            raise NotFused(f"intermediate {describe(leaked)} is used outside the subgraph")
+            raise NotFused(_leak_reason(leaked))
 
     @staticmethod
     def _depends_on_chain(ctx: PassContext, chain: SoftmaxBackward) -> Optional[Node]:
         """The chain node x2 is computed from, if any (walks back only past the chain's start)."""
         if not isinstance(chain.x2, Node):
             return None
-        start = min(ctx.position(n) for n in chain.nodes)
-        inside = set(chain.nodes)
-        stack, seen = [chain.x2], set()
+        return _reaches(ctx, [chain.x2], set(chain.nodes))
+
+    # -- no silent site -------------------------------------------------------------------------
+    def _silent_site(self, ctx: PassContext, node: Node) -> None:
+        """A softmax backward that no scale anchor took: a near-miss saying where its result goes."""
+        core = self._site(node)
+        if core is None:
+            return None
+        covered = getattr(self, "_covered", None)
+        if covered is not None and covered[0] is ctx and node in covered[1]:
+            return None
+        raise NotFused(_unscaled_reason(ctx, core))
+
+    def _site(self, node: Node) -> Optional[Node]:
+        """The node holding the (unscaled) softmax backward that node is the heart of, or node itself for
+        the v1 form (whose scale multiplies x1 first); None when node is no softmax backward."""
+        if is_call(node, aten._softmax_backward_data.default):
+            return node
+        if is_call(node, FMA):
+            return node if self._from_fma(node, None) is not None else None
+        if not _plain_sub(node):
+            return None
+        if self._from_decomposed_sbd(node, None) is not None:
+            return node
+        grad, total = node.args
+        reduced = sum_of_product(total)
+        x1 = _other(reduced.product.args, grad) if reduced is not None else None
+        if x1 is None:
+            return None
+        for user in node.users:
+            ops = binary_operands(user, aten.mul.Tensor)
+            other = _other(ops, node) if ops is not None else None
+            if other is x1:
+                return user
+            if other is not None and x1 in (binary_operands(other, aten.mul.Tensor) or ()):
+                return node
+        return None
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _RegionWalk:
+    """Which values are linear in softmax backwards (``f(s * v) = s * f(v)``), remembered for one
+    pass over one graph: every scale anchor asks, each node is looked at once."""
+
+    def __init__(self, fusion: "SoftmaxGradFusion"):
+        self.fusion = fusion
+        self.known: dict = {}  # node -> linear in softmax backwards (or zeros)?
+        self.cores: dict = {}  # node -> its SoftmaxBackward, for the softmax backwards met
+        self.budget = REGION_LIMIT
+
+    def linear(self, node) -> bool:
+        """Raises _TooLarge past REGION_LIMIT new nodes for one question (reset ``budget`` to ask again)."""
+        if not isinstance(node, Node):
+            return False
+        if node in self.known:
+            return self.known[node]
+        self.budget -= 1
+        if self.budget < 0:
+            raise _TooLarge
+        core = self.fusion._unscaled_core(node) if node.target in CORE_TARGETS else None
+        if core is not None:
+            self.cores[node] = core
+            result = True
+        elif is_zero_fill(node):
+            result = True
+        else:
+            spec = linear_operands(node)
+            result = spec is not None and all(self._operand(op, role) for op, role in spec)
+        self.known[node] = result
+        return result
+
+    def _operand(self, node: Node, role: str) -> bool:
+        if role == "free":
+            return True
+        if role == "layout" and is_call(node, *FRESH_BUFFERS):
+            return True
+        return self.linear(node)
+
+    def region(self, operand: Node) -> tuple:
+        """(cores, members, free operands) of the linear value operand."""
+        cores, members, free, fills = {}, [], [], []
+        stack, seen = [operand], set()
         while stack:
             node = stack.pop()
-            if node in inside:
-                return node
-            if node in seen or ctx.position(node) < start:
+            if node in seen:
                 continue
             seen.add(node)
-            stack.extend(node.all_input_nodes)
+            if node in self.cores:
+                cores[node] = self.cores[node]
+            elif is_fill(node, "layout"):
+                fills.append(node)
+            else:
+                members.append(node)
+                for op, role in linear_operands(node):
+                    (free if role == "free" else stack).append(op)
+        inside = {*members, *cores}
+        members += [f for f in fills if any(i in inside for i in f.all_input_nodes)]
+        return cores, members, free
+
+
+def _sbd_chain(sbd: Node, x2, inverted: bool = False) -> SoftmaxBackward:
+    """``_softmax_backward_data(grad, x1, dim, dtype)`` (scaled by x2) as a chain."""
+    grad, x1, dim = sbd.args[:3]
+    return SoftmaxBackward(grad, x1, x2, [sbd], [dim], True, scale_inverted=inverted, form="softmax_backward_data")
+
+
+def _reaches(ctx: PassContext, starts: list, targets: set) -> Optional[Node]:
+    """The node of targets that one of starts is computed from, if any (walks back only past the
+    earliest target)."""
+    if not targets:
         return None
+    start = min(ctx.position(n) for n in targets)
+    stack, seen = list(starts), set()
+    while stack:
+        node = stack.pop()
+        if node in targets:
+            return node
+        if node in seen or ctx.position(node) < start:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return None
+
+
+def _widens(source: torch.dtype, target: torch.dtype) -> bool:
+    """Casting source to target is exact (target holds every source value)."""
+    if source == target:
+        return False
+    wider = {torch.float16: (torch.float32, torch.float64), torch.bfloat16: (torch.float32, torch.float64),
+             torch.float32: (torch.float64,)}
+    return target in wider.get(source, ())
+
+
+def _scale_operand(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The fake x2 the replacement passes for a one-element tensor scale."""
+    scale = scale.view(1) if tuple(scale.shape) not in ((), (1,)) else scale
+    return scale.to(dtype) if _widens(scale.dtype, dtype) else scale
+
+
+def _unscaled_reason(ctx: PassContext, core: Node) -> str:
+    """Where a softmax backward's result goes, when no scale takes it."""
+    seen, frontier, ends = {core}, [core], []
+    while frontier and len(seen) < REGION_LIMIT:
+        node = frontier.pop()
+        for user in node.users:
+            if user in seen or is_fill(user, "layout"):  # reads only its dtype and device
+                continue
+            spec = linear_operands(user)
+            if spec is not None and all(op in seen or is_zero_fill(op) for op, role in spec if role == "linear"):
+                seen.add(user)
+                frontier.append(user)
+            else:
+                ends.append((node, user))
+    what = f"softmax backward {describe(core)} is not multiplied by a scale softmax_grad_ext can take"
+    if not ends:
+        return f"{what}: its result is used by nothing softmax_grad_ext could replace"
+    parts = []
+    for node, user in dict.fromkeys(ends):
+        if user.op == "output":
+            parts.append(f"{node.name} is a graph output")
+        elif is_call(user, aten.div.Tensor) and user.args[1] is node:
+            parts.append(f"{describe(user)} divides by it (a divisor is no scale)")
+        elif is_call(user, aten.mul.Tensor, aten.div.Tensor):
+            other = _other(user.args[:2], node)
+            if isinstance(other, Node) and _reaches(ctx, [other], seen) is not None:
+                parts.append(f"{describe(user)} multiplies it by a value computed from it")
+            else:
+                parts.append(f"{describe(user)} multiplies it, but through ops the scale cannot move across")
+        elif linear_operands(user) is not None and is_call(user, aten.add.Tensor, aten.sub.Tensor):
+            other = _other(user.args[:2], node)
+            term = other.name if isinstance(other, Node) else repr(other)
+            parts.append(f"{describe(user)} adds {term}, which is not computed from the softmax backward (a "
+                         "scale after it would scale that too)")
+        else:
+            parts.append(f"{describe(user)} reads it")
+    return (f"{what}: {'; '.join(parts)} (softmax_grad_ext replaces a softmax backward times its scale; "
+            "this one stays for the lowering)")
+
+
+# -- attention taken by inductor's SDPA patterns ---------------------------------------------------
+SDPA_BACKWARD = tuple(getattr(aten, name).default for name in (
+    "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention_backward",
+    "_scaled_dot_product_fused_attention_overrideable_backward") if hasattr(aten, name))
+USER_CODE_META = ("stack_trace", "source_fn_stack", "fwd_source_fn_stack", "nn_module_stack", "fwd_nn_module_stack")
+
+
+def made_by_compiler(node: Node) -> bool:
+    """node comes from no line of user code: Dynamo tags every op a user's code calls (its stack trace,
+    source function, module); the ops a pattern replacement inserts carry none of that."""
+    return not any(node.meta.get(key) for key in USER_CODE_META)
+
+
+def _traced_neighbours(node: Node, hops: int = 4) -> list:
+    """Nodes near node (its users first, then its inputs) that carry the user's code location."""
+    found, frontier, seen = [], [node], {node}
+    for _ in range(hops):
+        following = []
+        for current in frontier:
+            for near in (*current.users, *current.all_input_nodes):
+                if near not in seen:
+                    seen.add(near)
+                    following.append(near)
+                    if not made_by_compiler(near) and near.op == "call_function":
+                        found.append(near)
+        if found:
+            return found
+        frontier = following
+    return found
+
+
+def _sdpa_reason(node: Node) -> str:
+    op = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    return (f"taken by inductor's SDPA pattern (attention fused by inductor itself): inductor's joint-graph "
+            f"pattern replaced an attention's softmax and its backward by {op}, which no user code called, so "
+            "no softmax backward is left for softmax_grad_ext")

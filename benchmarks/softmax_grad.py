@@ -1,6 +1,6 @@
 """softmax_grad_ext reference kernel vs the unfused eager chain, side by side.
 
-Run: python benchmarks/softmax_grad_ext.py [--shape 8 32 1024 1024 --dtype bfloat16]
+Run: python benchmarks/softmax_grad.py [--shape 8 32 1024 1024 --dtype bfloat16]
 (the default shape is the largest of that family that fits this 24 GiB machine
 comfortably with the chain's intermediates: [4, 32, 1024, 1024] bf16).
 """
@@ -43,7 +43,7 @@ def main():
     rows.append({"impl": "ratio fused/unfused", "ms": ms["softmax_grad_ext_reference"] / ms["unfused_eager"],
                  "max_err_vs_fp64": float("nan")})
     print(rows)
-    path = write_results("softmax_grad_ext", rows,
+    path = write_results("softmax_grad", rows,
                          f"shape {args.shape} {args.dtype}, scalar x2; CPU reference kernel (fp32 compute, "
                          "one rounding) vs the eager chain in the input dtype.", table(rows, list(rows[0])))
     print(f"wrote {path}")

@@ -42,8 +42,8 @@ from torchair._ge_concrete_graph.supported_declaration import BF16, F16, Support
 from torchair.ge import attr
 from torchair.ge._ge_graph import DataType, Tensor
 
-from ..soc import A2_A3, ASCEND950, GENERIC
-from .common import declare_ge_ops, declare_in_place_on_graph_inputs, ir_op, keep, target_soc
+from npu_fuse_backend.soc import A2_A3, ASCEND950, GENERIC
+from npu_fuse_backend.converters.common import declare_ge_ops, declare_in_place_on_graph_inputs, ir_op, keep, target_soc
 
 ROTARY_MODES = {"interleave": 1}  # the op-defs define 0-3; only interleave (1) is implemented
 FLOATS = "DT_FLOAT16, DT_FLOAT, DT_BF16"

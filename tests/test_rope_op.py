@@ -6,18 +6,10 @@ from torch.library import opcheck
 
 import npu_fuse  # noqa: F401  (defines the npu_fuse:: ops)
 from conftest import assert_close
+from models import rotate_every_two, rotate_half
 
 rotary_mul = torch.ops.npu_fuse.rotary_mul
 rotary_mul_backward = torch.ops.npu_fuse.rotary_mul_backward
-
-
-def rotate_half(x):
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def rotate_every_two(x):
-    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
 
 
 def eager_rope(x, cos, sin, mode):
@@ -73,7 +65,7 @@ def test_backward_without_x_gives_dx_only():
 def test_gradcheck_against_finite_differences():
     x, cos, sin = (t.double().detach().requires_grad_() for t in inputs())
     # float64 is outside the op's contract; check the math through the reference kernel
-    from npu_fuse_backend.lowering.ops.rotary_mul import rotary_mul_reference
+    from npu_fuse_backend.lowering.ops.rope import rotary_mul_reference
     assert torch.autograd.gradcheck(lambda a, b, c: rotary_mul_reference(a, b, c, "interleave"), (x, cos, sin))
 
 

@@ -2,7 +2,7 @@
 
 The op-def (ops-nn ``activation/softmax_grad_ext/op_host/softmax_grad_ext_def.cpp``) has one
 AICore config, ascend950, so the fusion is offered there only: on Atlas A2/A3 the op's
-``@soc_limits`` refuses it, and under "generic" (no NPU known; a GE graph may use only ops every
+``unavailable_on`` refuses it, and under "generic" (no NPU known; a GE graph may use only ops every
 SoC has) the torchair lowering reports it as a near-miss (``declare_ge_ops``). A direct call of
 the op elsewhere converts to what the unfused graph has, ``SoftmaxGrad`` and ``Mul`` (both on
 every SoC). torchair's raw builder writes both attrs (axes Int, keep_dims Bool), as the op-def
@@ -15,14 +15,12 @@ from torchair._ge_concrete_graph.fx2ge_converter import declare_supported, regis
 from torchair._ge_concrete_graph.supported_declaration import BF16, F16, F32, Support
 from torchair.ge._ge_graph import Tensor, TensorSpec
 
-from ..soc import A2_A3, ASCEND950, GENERIC
-from .common import declare_ge_ops, target_soc
+from npu_fuse_backend.soc import ASCEND950, GENERIC
+from npu_fuse_backend.converters.common import declare_ge_ops, target_soc
 
-ONLY_950 = "the SoftmaxGradExt GE op exists on Ascend950 only"  # ops-nn softmax_grad_ext op-def
-declare_ge_ops("softmax_grad_ext", {
+declare_ge_ops("softmax_grad_ext", {  # A2/A3: the op's unavailable_on
     ASCEND950: ("SoftmaxGradExt",),
-    GENERIC: f"{ONLY_950}; a generic GE graph uses only ops every SoC has",
-    **{soc: f"{ONLY_950}, not {soc}" for soc in A2_A3},
+    GENERIC: "the SoftmaxGradExt GE op exists on Ascend950 only; a generic GE graph uses only ops every SoC has",
 })
 
 

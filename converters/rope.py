@@ -11,7 +11,7 @@ multiple of 64, the product of x's dims that r1 broadcasts over <= 1024; plus ha
 no mode attr), x given and r1, r2 of one shape. Otherwise ``RotaryPositionEmbeddingGrad``, whose
 x input is optional in the op-def: without x (only dx wanted) it is left out, not faked.
 
-The per-SoC shape limits are the ops' ``@soc_limits`` (lowering/ops/rotary_mul.py).
+The per-SoC shape limits are the ops' ``@soc_limits`` (lowering/ops/rope.py).
 """
 
 from typing import Optional
@@ -24,8 +24,8 @@ from torchair._ge_concrete_graph.supported_declaration import BF16, F16, F32, Su
 from torchair.ge import attr
 from torchair.ge._ge_graph import Tensor, TensorSpec
 
-from ..soc import A2_A3, ASCEND950, GENERIC
-from .common import declare_ge_ops, ir_op, target_soc
+from npu_fuse_backend.soc import A2_A3, ASCEND950, GENERIC
+from npu_fuse_backend.converters.common import declare_ge_ops, ir_op, target_soc
 
 MODES = {"half": 0, "interleave": 1}
 ROTARY_MUL_GRAD_MAX_BROADCAST = 1024

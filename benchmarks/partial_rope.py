@@ -1,6 +1,6 @@
 """inplace_partial_rotary_mul reference kernel vs the unfused eager partial RoPE.
 
-Run: python benchmarks/partial_rotary.py [--shape 4 2048 32 128 --slice 0 64]
+Run: python benchmarks/partial_rope.py [--shape 4 2048 32 128 --slice 0 64]
 """
 
 import argparse
@@ -55,7 +55,7 @@ def main():
                      "max_err_inplace": (check.double() - exact).abs().max().item(),
                      "max_err_unfused": (unfused(x, cos, sin, start, end).double() - exact).abs().max().item()})
         print(rows[-1], flush=True)
-    path = write_results("partial_rotary", rows,
+    path = write_results("partial_rope", rows,
                          f"x [{b}, {s}, {n}, {d}] BSND, slice [{start}, {end}], r1/r2 BS1D; CPU, reference kernel "
                          "(fp32 compute, one rounding, writes only the slice) vs eager slice+rotate+cat.",
                          table(rows, list(rows[0])))

@@ -15,13 +15,12 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from ...soc import A2_A3, ASCEND950, fits_layout
-from ..registry import decomposition, npu_kernel, refuse_autograd, soc_limits
-from ..rope_math import check_one_device, compute_dtype, rotate
+from npu_fuse_backend.soc import A2_A3, ASCEND950, fits_layout
+from npu_fuse_backend.lowering.registry import decomposition, npu_kernel, refuse_autograd, soc_limits
+from npu_fuse_backend.lowering.common import FLOAT_DTYPES, check_one_device, compute_dtype, rotate
 
 __all__ = ["inplace_partial_rotary_mul"]  # public entry points (npu_fuse.ops)
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 1024
 SCHEMA_TAIL = "Tensor r1, Tensor r2, *, str rotary_mode='interleave', int[2] partial_slice=[0, 0]) -> ()"
 
@@ -195,7 +194,11 @@ def inplace_partial_rotary_mul(x: Tensor, r1: Tensor, r2: Tensor, *, rotary_mode
                                partial_slice: Optional[Sequence[int]] = None) -> None:
     """Rotate ``x[..., start:end]`` in place (interleave RoPE); returns None like seed 000's API.
 
-    ``partial_slice=None`` means ``[0, 0]`` (no-op). With autograd, only x gets a gradient.
+    x: 4-D [B, S, N, D] contiguous, float16/bfloat16/float32, D even and <= 1024. r1, r2: the cos
+    and sin tables of the slice, 4-D, last dim ``end - start``, each other dim 1 or x's. The slice
+    becomes ``s * r1 + rotate_every_two(s) * r2``; the rest of x keeps its value.
+    ``partial_slice=None`` means ``[0, 0]`` (no-op). With autograd (x a non-leaf that requires
+    grad), only x gets a gradient. On an NPU: aten ops on the slice (torch_npu has no such op).
     """
     partial_slice = [0, 0] if partial_slice is None else [int(v) for v in partial_slice]
     if torch.is_grad_enabled() and x.requires_grad:

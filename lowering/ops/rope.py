@@ -9,14 +9,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ...graph_utils import static_int
-from ...soc import A2_A3, ASCEND950, GENERIC, fits_layout
-from ..registry import decomposition, npu_kernel, soc_limits
-from ..rope_math import ROTARY_MODES, check_one_device, compute_dtype, like, rotate
+from npu_fuse_backend.graph_utils import static_int
+from npu_fuse_backend.soc import A2_A3, ASCEND950, GENERIC, fits_layout
+from npu_fuse_backend.lowering.registry import decomposition, npu_kernel, soc_limits
+from npu_fuse_backend.lowering.common import ROTARY_MODES, check_one_device, check_rotation_args, compute_dtype, \
+    like, rotate
 
 __all__ = ["rotary_mul", "rotary_mul_backward"]  # public entry points (npu_fuse.ops)
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def check_rotary_mul_args(x: Tensor, r1: Tensor, r2: Tensor, rotary_mode: str, op: str = "npu_fuse.rotary_mul",
@@ -25,30 +25,20 @@ def check_rotary_mul_args(x: Tensor, r1: Tensor, r2: Tensor, rotary_mode: str, o
     (``x_name``: what the op calls the rotated tensor, "grad" in the backward)."""
     if rotary_mode not in ROTARY_MODES:
         raise ValueError(f"{op}: rotary_mode must be one of {ROTARY_MODES}, got {rotary_mode!r}")
-    check_one_device(op, {x_name: x, "r1": r1, "r2": r2})
-    if x.dim() != 4:
-        raise ValueError(f"{op}: {x_name} must be 4-D (BSND or BNSD), got {x.dim()}-D shape {tuple(x.shape)}")
-    if x.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{op}: {x_name} dtype must be float16, bfloat16 or float32, got {x.dtype}")
-    if r1.dtype != x.dtype or r2.dtype != x.dtype:
-        raise ValueError(f"{op}: r1, r2 and {x_name} must share one dtype, got {x_name} {x.dtype}, "
-                         f"r1 {r1.dtype}, r2 {r2.dtype}")
-    head_dim = x.shape[-1]
-    if head_dim % 2 != 0:
-        raise ValueError(f"{op}: head dim (last dim of {x_name}) must be even, got {head_dim}")
-    for arg, r in (("r1", r1), ("r2", r2)):
-        if r.dim() != 4:
-            raise ValueError(f"{op}: {arg} must be 4-D, got {r.dim()}-D shape {tuple(r.shape)}")
-        if r.shape[-1] != head_dim:
-            raise ValueError(f"{op}: last dim of {arg} must equal head dim {head_dim}, got {r.shape[-1]}")
-        for i in range(4):
-            if r.shape[i] != 1 and r.shape[i] != x.shape[i]:
-                raise ValueError(f"{op}: {arg} shape {tuple(r.shape)} does not broadcast to "
-                                 f"{x_name} shape {tuple(x.shape)} (dim {i})")
+    check_rotation_args(op, x, {"r1": r1, "r2": r2}, x_name)
 
 
 @torch.library.custom_op("npu_fuse::rotary_mul", mutates_args=())
 def rotary_mul(x: Tensor, r1: Tensor, r2: Tensor, rotary_mode: str = "half") -> Tensor:
+    """Rotary position embedding over the whole head dim: ``x * r1 + rotate(x) * r2``.
+
+    x: 4-D, [B, S, N, D] or [B, N, S, D], float16/bfloat16/float32, D even. r1, r2: the cos and
+    sin tables, 4-D, x's dtype, last dim D, each other dim 1 or x's (broadcast). rotary_mode:
+    "half" (``rotate_half``: ``cat(-x2, x1)`` of the two halves) or "interleave" (pairs
+    ``(x0, x1) -> (-x1, x0)``, GPT-J's ``rotate_every_two``). Returns a tensor like x.
+    fp16/bf16 are computed in fp32 and rounded once. On an NPU: torch_npu's ``npu_rotary_mul``;
+    differentiable (:func:`rotary_mul_backward`).
+    """
     check_rotary_mul_args(x, r1, r2, rotary_mode)
     return rotary_mul_reference(x, r1, r2, rotary_mode)
 
@@ -83,8 +73,12 @@ def check_rotary_mul_backward_args(grad, x, r1, r2, rotary_mode, need_backward) 
 @torch.library.custom_op("npu_fuse::rotary_mul_backward", mutates_args=())
 def rotary_mul_backward(grad: Tensor, x: Optional[Tensor], r1: Tensor, r2: Tensor, rotary_mode: str = "half",
                         need_backward: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dr1, dr2). With ``need_backward`` False only dx is computed (dr1/dr2 are
-    zeros) and x may be None: dx does not depend on x."""
+    """The gradients of :func:`rotary_mul`: ``(dx, dr1, dr2)`` for the incoming ``grad`` (x's shape).
+
+    ``dx = grad * r1 - rotate(grad * r2)``; dr1, dr2 are reduced to r1's and r2's shapes. With
+    ``need_backward`` False only dx is computed (dr1, dr2 are zeros) and x may be None: dx does
+    not depend on x. On an NPU: torch_npu's ``npu_rotary_mul_backward``.
+    """
     check_rotary_mul_backward_args(grad, x, r1, r2, rotary_mode, need_backward)
     return rotary_mul_backward_reference(grad, x, r1, r2, rotary_mode, need_backward)
 
@@ -142,6 +136,18 @@ A950_MAX_HEAD_DIM = 1024
 A950_TABLE_LAYOUTS = ("111D", "BSND", "B1ND", "BS1D", "11ND", "1S1D", "B11D")
 
 
+def rotary_position_embedding_950_limits(x: Tensor, tables) -> Optional[str]:
+    """Why Ascend950's RotaryPositionEmbedding(Grad), in any mode, cannot take x with these cos/sin."""
+    head_dim = static_int(x.shape[-1])
+    if head_dim is None or head_dim > A950_MAX_HEAD_DIM:
+        return f"head dim {x.shape[-1]} must be static and <= {A950_MAX_HEAD_DIM} (RotaryPositionEmbedding)"
+    if not all(any(fits_layout(t.shape, x.shape, lay) for lay in A950_TABLE_LAYOUTS) for t in tables):
+        shapes = " / ".join(str(list(t.shape)) for t in tables)
+        return (f"cos/sin {shapes} against x {list(x.shape)} (read as BSND) is not one of the layouts "
+                f"{', '.join(A950_TABLE_LAYOUTS)} (RotaryPositionEmbedding)")
+    return None
+
+
 def rope_soc_limits(soc: str, x: Tensor, tables, rotary_mode: str) -> Optional[str]:
     """Why the RoPE GE op of ``soc`` cannot take x with these cos/sin tables, or None."""
     if soc == GENERIC:
@@ -164,11 +170,7 @@ def rope_soc_limits(soc: str, x: Tensor, tables, rotary_mode: str) -> Optional[s
         return (f"cos/sin {shapes} against x {list(x.shape)}: {rotary_mode} mode takes {layouts}, "
                 f"with static {which} < {A2_A3_MAX_BN}")
     if soc == ASCEND950:
-        if head_dim is None or head_dim > A950_MAX_HEAD_DIM:
-            return f"head dim {x.shape[-1]} must be static and <= {A950_MAX_HEAD_DIM} (RotaryPositionEmbedding)"
-        if not all(any(fits_layout(t.shape, x.shape, lay) for lay in A950_TABLE_LAYOUTS) for t in tables):
-            return (f"cos/sin {shapes} against x {list(x.shape)} (read as BSND) is not one of "
-                    f"{', '.join(A950_TABLE_LAYOUTS)}")
+        return rotary_position_embedding_950_limits(x, tables)
     return None
 
 

@@ -7,13 +7,12 @@ output, x2 a scale (scalar-like or grad's shape). GE: ``SoftmaxGradExt``.
 import torch
 from torch import Tensor
 
-from ...soc import A2_A3
-from ..registry import decomposition, npu_kernel, soc_limits
-from ..rope_math import check_one_device, compute_dtype, like
+from npu_fuse_backend.soc import A2_A3
+from npu_fuse_backend.lowering.registry import decomposition, npu_kernel, unavailable_on
+from npu_fuse_backend.lowering.common import FLOAT_DTYPES, check_one_device, compute_dtype, like
 
 __all__ = ["softmax_grad_ext"]  # public entry points (npu_fuse.ops)
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def check_softmax_grad_ext_args(grad: Tensor, x1: Tensor, x2: Tensor, axes: list, keep_dims: bool) -> None:
@@ -44,6 +43,13 @@ def check_softmax_grad_ext_args(grad: Tensor, x1: Tensor, x2: Tensor, axes: list
     "npu_fuse::softmax_grad_ext", mutates_args=(),
     schema="(Tensor grad, Tensor x1, Tensor x2, int[] axes=[-1], bool keep_dims=True) -> Tensor")
 def softmax_grad_ext(grad: Tensor, x1: Tensor, x2: Tensor, axes=(-1,), keep_dims: bool = True) -> Tensor:
+    """Softmax backward times a scale: ``x2 * x1 * (grad - sum(grad * x1, axes, keepdim=True))``.
+
+    grad: the gradient of the softmax output; x1: the softmax output (grad's shape, 1-D to 6-D);
+    x2: the scale of the logits, a scalar tensor, shape (1,) or grad's shape; all one float dtype.
+    axes: the softmax dim, the last ([-1]); keep_dims must be True. The result is the gradient of
+    the softmax's scaled input. On an NPU: aten's softmax backward times x2 (GE: SoftmaxGradExt).
+    """
     check_softmax_grad_ext_args(grad, x1, x2, axes, keep_dims)
     return softmax_grad_ext_reference(grad, x1, x2, axes, keep_dims)
 
@@ -62,12 +68,10 @@ def _(grad, x1, x2, axes=(-1,), keep_dims=True):
 
 
 
-@soc_limits(torch.ops.npu_fuse.softmax_grad_ext.default)
-def _softmax_grad_ext_soc_limits(soc, grad, x1, x2, axes=(-1,), keep_dims=True):
-    # ops-nn softmax_grad_ext_def.cpp has one AICore config, ascend950 (its fusion-pass doc: 950 only)
-    if soc in A2_A3:
-        return f"the SoftmaxGradExt GE op targets Ascend950 only, not {soc} (ops-nn softmax_grad_ext op-def)"
-    return None
+# ops-nn softmax_grad_ext_def.cpp has one AICore config, ascend950 (its fusion-pass doc: 950 only)
+unavailable_on(torch.ops.npu_fuse.softmax_grad_ext.default, {
+    soc: f"the SoftmaxGradExt GE op exists on Ascend950 only, not {soc} (ops-nn softmax_grad_ext op-def)"
+    for soc in A2_A3})
 
 
 @npu_kernel(softmax_grad_ext)
