@@ -1,8 +1,17 @@
+import atexit
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
-import pytest
-import torch
+# The compile caches of this run only: a report replayed from a cache another checkout filled would
+# quote that checkout's source paths, and a test's outcome must not depend on what ran before it.
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="npu_fuse_tests_inductor_")
+atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 
