@@ -4,7 +4,8 @@ Model code and tracing leave nodes that change nothing, and write the same view 
 each would otherwise be a special case in every matcher that reads through it:
 
 - no-op slices (``x[:, :, :]``, ``x[..., 0:D]``), views/reshapes/expands to x's own
-  shape, casts to x's own dtype and clones that keep x's strides -> x;
+  shape, identity permutes (``torch.vmap`` leaves them), casts to x's own dtype and clones
+  that keep x's strides -> x;
 - identical pure views of one tensor (``x[..., :r]`` written twice, two ``split``\\ s of
   the same tensor) -> one node.
 
@@ -30,14 +31,19 @@ DEDUPLICATED = (aten.slice.Tensor, aten.select.int, aten.view.default, aten._uns
                 aten.split_with_sizes.default, aten.unbind.int, operator.getitem)
 
 
+PERMUTES = (aten.permute.default, aten.transpose.int, aten.t.default)
+_MAYBE_NOOP = {id(t) for t in (aten.slice.Tensor, *RESHAPES, *CASTS, *PERMUTES)}  # by id: OpOverloads hash slowly
+_DEDUPLICATED = {id(t) for t in DEDUPLICATED}
+
+
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.dtype == b.dtype and a.device == b.device and shape_eq(a.shape, b.shape)
+    return (a.dim() == b.dim() and a.dtype == b.dtype and shape_eq(a.shape, b.shape) and a.device == b.device
             and shape_eq(a.stride(), b.stride()) and size_eq(a.storage_offset(), b.storage_offset()))
 
 
 def _is_noop(node: Node) -> bool:
     """node returns a value equal to, and laid out like, its first argument."""
-    if not node.args or not isinstance(node.args[0], Node):
+    if id(node.target) not in _MAYBE_NOOP or not node.args or not isinstance(node.args[0], Node):
         return False
     out, src = val(node), val(node.args[0])
     if not (isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor) and _same_layout(out, src)):
@@ -47,17 +53,21 @@ def _is_noop(node: Node) -> bool:
         end_i = static_int(end)
         return (static_int(start) == 0 and static_int(step) == 1
                 and (end_i == INT_MAX or (end_i is not None and size_eq(src.shape[norm_dim(dim, src.dim())], end_i))))
-    if is_call(node, *RESHAPES):
+    if is_call(node, *RESHAPES, *PERMUTES):  # (a permutation of the same layout: identity, or of size-1 dims)
         return True
     if is_call(node, *CASTS):  # same dtype, device and strides: checked above; nothing else may change
         return set(node.kwargs) <= {"dtype", "layout", "device", "pin_memory", "memory_format"}
     return False
 
 
+_CONTAINERS = (list, tuple, dict)
+
+
 def _freeze(arg):
-    if isinstance(arg, (list, tuple)):
-        return tuple(_freeze(a) for a in arg)
-    if isinstance(arg, dict):
+    kind = type(arg)
+    if kind is list or kind is tuple:
+        return tuple(_freeze(a) if type(a) in _CONTAINERS else a for a in arg)
+    if kind is dict:
         return tuple(sorted((k, _freeze(v)) for k, v in arg.items()))
     return arg
 
@@ -72,16 +82,15 @@ def canonicalize(graph: Graph) -> int:
             continue
         if _is_noop(node):
             node.replace_all_uses_with(node.args[0])
-        elif node.target in DEDUPLICATED:
+        elif id(node.target) in _DEDUPLICATED:
+            key = (id(node.target), _freeze(node.args), _freeze(node.kwargs))  # (OpOverloads hash slowly)
             try:
-                key = (node.target, _freeze(node.args), _freeze(node.kwargs))
-                hash(key)
+                first = seen.setdefault(key, node)
             except TypeError:  # an unhashable constant argument: leave the node alone
                 continue
-            if key not in seen:
-                seen[key] = node
+            if first is node:
                 continue
-            node.replace_all_uses_with(seen[key])
+            node.replace_all_uses_with(first)
         else:
             continue
         graph.erase_node(node)

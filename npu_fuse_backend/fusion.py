@@ -124,7 +124,36 @@ class PassContext:
         return self._positions[node]
 
 
-class GraphBuilder:
+class _Emitter:
+    """What :class:`GraphBuilder` and :class:`FakeValues` share: the helpers built on ``call``."""
+
+    def call(self, target: Callable, *args, **kwargs) -> Any:
+        raise NotImplementedError
+
+    def unsqueeze_to(self, node: Any, rank: int) -> Any:
+        """node with leading unit dims added up to ``rank`` dims."""
+        while _fake(node).dim() < rank:
+            node = self.call(torch.ops.aten.unsqueeze.default, node, 0)
+        return node
+
+    def lifted(self, node: Any, rank: int, dims: tuple) -> Any:
+        """node, broadcast right-aligned against a rank-``rank`` tensor, given that tensor's rank
+        and then unit dims at ``dims`` (as a fused op that takes 4-D needs x lifted)."""
+        node = self.unsqueeze_to(node, rank)
+        for dim in dims:
+            node = self.call(torch.ops.aten.unsqueeze.default, node, dim)
+        return node
+
+    def cast(self, node: Any, dtype: torch.dtype) -> Any:
+        """node in dtype (node itself when it already is)."""
+        return node if _fake(node).dtype == dtype else self.call(torch.ops.aten._to_copy.default, node, dtype=dtype)
+
+
+def _fake(value: Any) -> Any:
+    return value.meta["val"] if isinstance(value, Node) else value
+
+
+class GraphBuilder(_Emitter):
     """Emits replacement nodes before an anchor and gives each one ``meta["val"]``.
 
     A fused-op call runs the op's fake kernel, and so its argument checker: a refusal undoes
@@ -159,30 +188,11 @@ class GraphBuilder:
             raise
         return node
 
-    def unsqueeze_to(self, node: Node, rank: int) -> Node:
-        """node with leading unit dims added up to ``rank`` dims."""
-        while node.meta["val"].dim() < rank:
-            node = self.call(torch.ops.aten.unsqueeze.default, node, 0)
-        return node
 
-    def lifted(self, node: Node, rank: int, dims: tuple) -> Node:
-        """node, broadcast right-aligned against a rank-``rank`` tensor, given that tensor's rank
-        and then unit dims at ``dims`` (as a fused op that takes 4-D needs x lifted)."""
-        node = self.unsqueeze_to(node, rank)
-        for dim in dims:
-            node = self.call(torch.ops.aten.unsqueeze.default, node, dim)
-        return node
-
-    def cast(self, node: Node, dtype: torch.dtype) -> Node:
-        """node in dtype (node itself when it already is)."""
-        return node if node.meta["val"].dtype == dtype else self.call(torch.ops.aten._to_copy.default, node,
-                                                                         dtype=dtype)
-
-
-class FakeValues:
+class FakeValues(_Emitter):
     """The fake values of what a :class:`GraphBuilder` would emit, and nothing emitted: a pass that
-    builds a fused op's arguments with ``b.call`` can compute them at match time with this (to ask
-    the op about them, :func:`check_op_args`) and build them later with the same code."""
+    builds a fused op's arguments with ``b.call`` (and its helpers) can compute them at match time
+    with this (to ask the op about them, :func:`check_op_args`) and build them later with the same code."""
 
     def __init__(self, fake_mode: Any):
         self.fake_mode = fake_mode

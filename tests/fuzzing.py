@@ -109,18 +109,28 @@ def _rot_pairs_cat(x):
     return torch.cat(((-x[..., 1::2]).unsqueeze(-1), x[..., ::2].unsqueeze(-1)), -1).flatten(-2)
 
 
+def _rot_half_other_sign(x):  # -R(x): the rotation by -sin
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x2, -x1), dim=-1)
+
+
+def _rot_pairs_odd_negated(x):  # -R(x), pairs
+    return torch.stack((x[..., 1::2], -x[..., ::2]), dim=-1).flatten(-2)
+
+
 ROTATIONS = {"half/slice": _rot_half_slice, "half/chunk": _rot_half_chunk, "half/split*-1": _rot_half_split_mul,
              "half/negative-indices": _rot_half_negative_indices, "interleave/stack": _rot_pairs_stack,
-             "interleave/unbind": _rot_pairs_unbind, "interleave/cat-unsqueeze": _rot_pairs_cat}
+             "interleave/unbind": _rot_pairs_unbind, "interleave/cat-unsqueeze": _rot_pairs_cat,
+             "half/sign on the other half": _rot_half_other_sign, "interleave/odd lane negated": _rot_pairs_odd_negated}
 
 # mutations of R that change the math: none of them is a rotation a fused op computes
 LOOKALIKE_ROTATIONS = {
     "no negation": lambda x: torch.cat((x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), -1),
-    "negated first half": lambda x: torch.cat((x[..., x.shape[-1] // 2:], -x[..., : x.shape[-1] // 2]), -1),
+    "both halves negated": lambda x: torch.cat((-x[..., x.shape[-1] // 2:], -x[..., : x.shape[-1] // 2]), -1),
     "unequal halves": lambda x: torch.cat((-x[..., x.shape[-1] // 2 + 2:], x[..., : x.shape[-1] // 2 + 2]), -1),
     "rotation along dim -2": lambda x: torch.cat((-x.chunk(2, -2)[1], x.chunk(2, -2)[0]), -2),
     "pair lanes swapped": lambda x: torch.stack((-x[..., ::2], x[..., 1::2]), dim=-1).flatten(-2),
-    "pairs negated on the odd lane": lambda x: torch.stack((x[..., 1::2], -x[..., ::2]), dim=-1).flatten(-2),
+    "pairs not negated": lambda x: torch.stack((x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2),
 }
 
 ORDERS = {

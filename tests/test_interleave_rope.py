@@ -184,13 +184,17 @@ def test_token_major_x_is_lifted(shape, table):
 
 LOOK_ALIKES = {
     "swapped sign in the first half": (
-        lambda e, o, c, s: torch.cat([e * c + o * s, o * c + e * s], -1), "not cat"),
+        lambda e, o, c, s: torch.cat([e * c + o * s, o * c + e * s], -1),
+        "same sign (+arg2_1 and +arg2_1): a reflection"),
     "swapped sign in the second half": (
-        lambda e, o, c, s: torch.cat([e * c - o * s, o * c - e * s], -1), "not cat"),
+        lambda e, o, c, s: torch.cat([e * c - o * s, o * c - e * s], -1),
+        "same sign (-arg2_1 and -arg2_1): a reflection"),
     "even lane twice": (
-        lambda e, o, c, s: torch.cat([e * c - e * s, o * c + e * s], -1), "not cat"),
+        lambda e, o, c, s: torch.cat([e * c - e * s, o * c + e * s], -1),
+        "lane 0 of the result reads arg0_1[..., 0] twice"),
     "halves in the other order": (
-        lambda e, o, c, s: torch.cat([o * c + e * s, e * c - o * s], -1), "not cat"),
+        lambda e, o, c, s: torch.cat([o * c + e * s, e * c - o * s], -1),
+        "same sign (+arg1_1 and +arg1_1): a reflection"),
 }
 
 

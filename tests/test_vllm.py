@@ -94,7 +94,6 @@ def test_forward_native_form_generates_the_tokens_of_plain_vllm(engines):
     assert fused["tokens"] == baseline(engines)[0]["tokens"]
 
 
-@pytest.mark.xfail(strict=True, reason="needs the semantic recognizer (issue 15)")
 def test_forward_native_form_fuses(engines):
     """x1*c - x2*s, x2*c + x1*s on contiguous halves with half-width tables, then cat: per layer,
     one rotary_mul for the query and one for the key."""

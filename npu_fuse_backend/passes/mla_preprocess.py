@@ -39,14 +39,12 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
+from .. import rotation
 from ..fusion import FakeValues, FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, check_op_args, \
     register_fusion
 from ..graph_utils import VIEWS, aten, is_call, rank, shape_eq, static_int, users_outside, val
 from npu_fuse_backend.lowering.ops import mla_preprocess as mla
-from ..matchers import (
-    RmsNorm, RopeSite, Stripped, binary_operands, deinterleaved, last_dim_piece, match_rms_norm, match_rope_site,
-    quiet, uncast,
-)
+from ..matchers import RmsNorm, Stripped, binary_operands, last_dim_piece, match_rms_norm, uncast
 
 
 # -- the prologue's own matchers: projections (x @ w^T, w8a8), last-dim pieces, transposes ----------
@@ -294,28 +292,25 @@ class MlaPreprocessFusion(FusionPass):
     anchor_targets = (aten.add.Tensor,)
 
     def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
-        site = quiet(match_rope_site, anchor)  # the RoPE passes report that site's near-miss
-        if site is None:
-            return None
-        q_pe, deinterleave = site.x, []
-        pairs = deinterleaved(q_pe)
-        if pairs is not None:
-            q_pe, deinterleave = pairs.source, pairs.nodes
-        piece = last_dim_piece(q_pe)
-        if piece is None or piece.step != 1 or rank(piece.source) != 3:
-            return None
-        width = static_int(val(piece.source).shape[-1])
-        if width is None or not 0 < piece.start < piece.end == width:
+        site = rotation.analysis(ctx.graph, ctx.kind).rotation_at(anchor)
+        if site is None or site.passthrough or site.backward or site.lead_perm:
+            return None  # (the RoPE passes report a RoPE site's near-miss)
+        q3 = site.x
+        width = static_int(val(q3).shape[-1])
+        if rank(q3) != 3 or width is None or not 0 < site.start < site.end == width:
             return None  # not the rope tail of a [T, N, nope + rope] q head
-        if site.rotation.mode != "half":
+        if site.form == rotation.INTERLEAVE:
             raise NotFused("stage 7: the q RoPE rotates interleaved pairs (x[2k], x[2k+1]); the op rotates "
                            "halves (DeepSeek's de-interleave-then-rotate-halves form fuses)")
-        return self._match(ctx, anchor, site, piece, deinterleave)
+        if site.form not in (rotation.HALF, rotation.PAIRS_TO_HALF):
+            return None
+        return self._match(ctx, anchor, site)
 
-    def _match(self, ctx, q_rope_add, q_site: RopeSite, q_piece, deinterleave) -> Rewrite:
-        q3 = q_piece.source
-        nodes = [q_rope_add, *q_site.nodes, *q_piece.nodes, *deinterleave]
-        nope, rope = q_piece.start, q_piece.end - q_piece.start
+    def _match(self, ctx, q_rope_add, q_site: rotation.Rotation) -> Rewrite:
+        q3 = q_site.x
+        nodes = [q_rope_add, *q_site.nodes]
+        permuted = q_site.form == rotation.PAIRS_TO_HALF
+        nope, rope = q_site.start, q_site.width
         if rope != mla.ROPE:
             raise NotFused(f"stage 7: q rope dim {rope} (of a {nope + rope}-wide q head); the op takes {mla.ROPE}")
         if nope != mla.NOPE:
@@ -357,7 +352,7 @@ class MlaPreprocessFusion(FusionPass):
         ctkv, ctkv_out = ctkv_norm.norm, ctkv_norm.out
         if ctkv.beta is not None:
             raise NotFused("the kv-latent RMSNorm adds a beta; the op's stage 6 has only gamma2")
-        k_rope = self._k_rope(k_pe, q_site, bool(deinterleave))
+        k_rope = self._k_rope(ctx, qkv, kv_nodes, k_pe, q_site)
         cache_write = self._cache_write(ctkv_out, k_rope.out)
         absorbed = self._absorption(q3, q_rope_add)
         nodes += [*kv_nodes, *ctkv.nodes, ctkv_out, *k_rope.nodes, *cache_write.nodes, *absorbed.nodes]
@@ -378,7 +373,7 @@ class MlaPreprocessFusion(FusionPass):
         prologue = Prologue(x=x, norm0=norm0, norm1=norm1, ctkv=ctkv, qkv_lin=qkv_lin, q_lin=q_lin,
                             w_uk=absorbed.w_uk, cos=k_rope.cos, sin=k_rope.sin, cache=cache_write.cache,
                             slots=cache_write.slots, python_indexes=cache_write.python_indexes, heads=heads,
-                            eps=eps.pop(), permute=bool(deinterleave))
+                            eps=eps.pop(), permute=permuted)
         arguments = {name: val(value) for name, value in _op_arguments(FakeValues(ctx.fake_mode), prologue).items()}
         check_op_args(mla.check_mla_preprocess_args, mla.bind_args((), arguments))
         anchor = min([q_out, cache_write.new_cache], key=ctx.position)
@@ -391,7 +386,7 @@ class MlaPreprocessFusion(FusionPass):
             return _build(b, prologue, q_out, cache_write.new_cache)
 
         detail = ("w8a8" if quantized else _dtype_name(val(x).dtype)) + \
-            (", interleaved rope" if deinterleave else "") + \
+            (", interleaved rope" if permuted else "") + \
             (", [in, out] weights" if qkv_lin.in_out or q_lin.in_out else "")
         return Rewrite(anchor, list(dict.fromkeys([*nodes, *others])), self.op, build, detail=detail)
 
@@ -426,33 +421,31 @@ class MlaPreprocessFusion(FusionPass):
         raise NotFused("stage 6 (RMSNorm over the last dim of the kv latent) not found")
 
     @staticmethod
-    def _k_rope(k_pe, q_site: RopeSite, deinterleaved_rope: bool) -> KvRope:
-        if deinterleaved_rope:  # k_pe -> view -> transpose -> [clone] -> reshape
-            ends = [c for v in k_pe.users for t in v.users for c in t.users]
-            ends += [f for c in ends if is_call(c, aten.clone.default) for f in c.users]
-            found = [(e, deinterleaved(e)) for e in ends]
-            xs = [(e, d.nodes) for e, d in found if d is not None and d.source is k_pe]
-        else:
-            xs = [(k_pe, [])]
-        for x, extra in xs:
-            for user in x.users:
-                for add in user.users:
-                    site = quiet(match_rope_site, add)
-                    if not (site is not None and site.x is x and site.rotation.mode == "half"):
-                        continue
-                    cos, sin = _table_root(site.cos), _table_root(site.sin)
-                    if cos is not _table_root(q_site.cos) or sin is not _table_root(q_site.sin):
-                        raise NotFused("q and k RoPE use different cos/sin tables")
-                    tokens = val(k_pe).shape[0]
-                    for table, which, expected in ((cos, "the", [tokens, mla.ROPE]), (sin, "the", [tokens, mla.ROPE]),
-                                                   (q_site.cos, "q", [tokens, 1, mla.ROPE]),
-                                                   (q_site.sin, "q", [tokens, 1, mla.ROPE]),
-                                                   (site.cos, "k", [tokens, mla.ROPE]),
-                                                   (site.sin, "k", [tokens, mla.ROPE])):
-                        if not shape_eq(list(val(table).shape), expected):
-                            raise NotFused(f"{which} RoPE table {table.name} has shape {list(val(table).shape)}, "
-                                           f"not {expected}: cos/sin must be one [T, 64] row per token")
-                    return KvRope(add, [add, *site.nodes, *extra], cos, sin)
+    def _k_rope(ctx, qkv, kv_nodes, k_pe, q_site: rotation.Rotation) -> KvRope:
+        """The RoPE of k_pe (lanes [2048, 2112) of the fused projection), in q's form and tables."""
+        kv = kv_nodes[0]
+        lanes = {uncast(qkv).node: (mla.QKV - mla.ROPE, mla.QKV), kv: (mla.KV_LORA, mla.KV_LORA + mla.ROPE),
+                 k_pe: (0, mla.ROPE)}
+        for site in rotation.analysis(ctx.graph, ctx.kind).rotations():
+            if not (lanes.get(uncast(site.x).node) == (site.start, site.end)
+                    and site.form == q_site.form and not site.passthrough and not site.backward):
+                continue
+            tables = [_table_root(t.leaf()) for t in (*site.tables, *q_site.tables)]
+            if None in tables:
+                raise NotFused("the RoPE tables are not one [T, 64] cos and sin row per token")
+            cos, sin, q_cos, q_sin = tables
+            if cos is not q_cos or sin is not q_sin:
+                raise NotFused("q and k RoPE use different cos/sin tables")
+            tokens = val(k_pe).shape[0]
+            for table, which, expected in ((cos, "the", [tokens, mla.ROPE]), (sin, "the", [tokens, mla.ROPE]),
+                                           (q_site.tables[0].leaf(), "q", [tokens, 1, mla.ROPE]),
+                                           (q_site.tables[1].leaf(), "q", [tokens, 1, mla.ROPE]),
+                                           (site.tables[0].leaf(), "k", [tokens, mla.ROPE]),
+                                           (site.tables[1].leaf(), "k", [tokens, mla.ROPE])):
+                if not shape_eq(list(val(table).shape), expected):
+                    raise NotFused(f"{which} RoPE table {table.name} has shape {list(val(table).shape)}, "
+                                   f"not {expected}: cos/sin must be one [T, 64] row per token")
+            return KvRope(site.anchor, [site.anchor, *site.nodes], cos, sin)
         raise NotFused("stage 7 (RoPE of k_rope, in the same layout as q's) not found")
 
     @staticmethod
