@@ -123,6 +123,23 @@ class PassContext:
             self._positions = {n: i for i, n in enumerate(self.graph.nodes)}
         return self._positions[node]
 
+    def reaches(self, starts: list, targets: set) -> Optional[Node]:
+        """The node of targets that one of starts is computed from, if any (walks back only past the
+        earliest target, so its cost is the graph between them)."""
+        if not targets:
+            return None
+        earliest = min(self.position(n) for n in targets)
+        stack, seen = list(starts), set()
+        while stack:
+            node = stack.pop()
+            if node in targets:
+                return node
+            if node in seen or self.position(node) < earliest:
+                continue
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+        return None
+
 
 class _Emitter:
     """What :class:`GraphBuilder` and :class:`FakeValues` share: the helpers built on ``call``."""

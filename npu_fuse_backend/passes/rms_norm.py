@@ -120,7 +120,7 @@ class RmsNormFusion(FusionPass):
         if not shape or len(shape) > val(normed).dim() or not size_eq(shape[-1], lanes) or \
                 not all(size_eq(s, 1) for s in shape[:-1]):
             return None
-        return None if _depends_on(ctx, w, core) else w
+        return None if ctx.reaches([w], {core.x}) is not None else w  # computed from x: no weight
 
     # -- the replacement ----------------------------------------------------------------------------
     def _rewrite(self, ctx: PassContext, n: Node, core: RmsCore, chain: NormChain) -> Rewrite:
@@ -227,19 +227,3 @@ def _addends(source: Node, gamma_dtype: torch.dtype) -> Optional[list]:
                val(t).dtype == val(source).dtype for t in operands):
         return None
     return list(operands)
-
-
-def _depends_on(ctx: PassContext, node: Node, core: RmsCore) -> bool:
-    """node is computed from the normalisation or its input (walks back only past x)."""
-    start = ctx.position(core.x)
-    stack, seen = [node], set()
-    while stack:
-        current = stack.pop()
-        if current is core.x:
-            return True
-        if current in seen or ctx.position(current) < start:
-            continue
-        seen.add(current)
-        stack.extend(current.all_input_nodes)
-    return False
-

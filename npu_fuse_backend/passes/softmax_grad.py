@@ -555,7 +555,7 @@ class SoftmaxGradFusion(FusionPass):
         """A "free" operand (a scatter's indices) computed from the softmax backwards makes the region
         non-linear in them."""
         tensors = [n for n in free if isinstance(val(n), torch.Tensor)]  # sizes are not values
-        return bool(tensors) and _reaches(ctx, tensors, {*region.core_nodes(), *region.cores, *region.nodes}) \
+        return bool(tensors) and ctx.reaches(tensors, {*region.core_nodes(), *region.cores, *region.nodes}) \
             is not None
 
     def _extended(self, ctx: PassContext, region: Region, y: Node, scale, inverted: bool) -> Region:
@@ -574,7 +574,7 @@ class SoftmaxGradFusion(FusionPass):
                     continue
                 fills = [op for op, role in spec if role != "free" and op not in inside and is_fill(op, role)]
                 if not all(op in inside or op in fills if role != "free" else
-                           not isinstance(val(op), torch.Tensor) or _reaches(ctx, [op], inside) is None
+                           not isinstance(val(op), torch.Tensor) or ctx.reaches([op], inside) is None
                            for op, role in spec):
                     continue
                 # the replacement is built before y: what the grown node reads from outside must exist there
@@ -634,7 +634,7 @@ class SoftmaxGradFusion(FusionPass):
                 raise NotFused(f"{describe(early[0])} reads {exit_node.name} before {y.name} computes the scaled "
                                "result it would be given back from")
         if isinstance(x2, Node):
-            cycle = _reaches(ctx, [x2], inside | set(region.core_nodes()))
+            cycle = ctx.reaches([x2], inside | set(region.core_nodes()))
             if cycle is not None:
                 raise NotFused(f"x2 depends on {describe(cycle)} of the chain: fusing would make the op depend "
                                "on its own output")
@@ -809,7 +809,7 @@ class SoftmaxGradFusion(FusionPass):
         """The chain node x2 is computed from, if any (walks back only past the chain's start)."""
         if not isinstance(chain.x2, Node):
             return None
-        return _reaches(ctx, [chain.x2], set(chain.nodes))
+        return ctx.reaches([chain.x2], set(chain.nodes))
 
     # -- no silent site -------------------------------------------------------------------------
     def _silent_site(self, ctx: PassContext, node: Node) -> None:
@@ -918,24 +918,6 @@ def _sbd_chain(sbd: Node, x2, inverted: bool = False) -> SoftmaxBackward:
     return SoftmaxBackward(grad, x1, x2, [sbd], [dim], True, scale_inverted=inverted, form="softmax_backward_data")
 
 
-def _reaches(ctx: PassContext, starts: list, targets: set) -> Optional[Node]:
-    """The node of targets that one of starts is computed from, if any (walks back only past the
-    earliest target)."""
-    if not targets:
-        return None
-    start = min(ctx.position(n) for n in targets)
-    stack, seen = list(starts), set()
-    while stack:
-        node = stack.pop()
-        if node in targets:
-            return node
-        if node in seen or ctx.position(node) < start:
-            continue
-        seen.add(node)
-        stack.extend(node.all_input_nodes)
-    return None
-
-
 def _widens(source: torch.dtype, target: torch.dtype) -> bool:
     """Casting source to target is exact (target holds every source value)."""
     if source == target:
@@ -976,7 +958,7 @@ def _unscaled_reason(ctx: PassContext, core: Node) -> str:
             parts.append(f"{describe(user)} divides by it (a divisor is no scale)")
         elif is_call(user, aten.mul.Tensor, aten.div.Tensor):
             other = _other(user.args[:2], node)
-            if isinstance(other, Node) and _reaches(ctx, [other], seen) is not None:
+            if isinstance(other, Node) and ctx.reaches([other], seen) is not None:
                 parts.append(f"{describe(user)} multiplies it by a value computed from it")
             else:
                 parts.append(f"{describe(user)} multiplies it, but through ops the scale cannot move across")
