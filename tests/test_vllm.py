@@ -76,7 +76,7 @@ def test_custom_op_form_fuses_inside_vllms_compile(engines):
     assert all("vLLM _C.rotary_embedding on query and key" in m.detail and "mode=half" in m.detail for m in sites)
     assert {r.lowering for r in reports} == {"vllm (inductor)"}
     # the worker's one-line report, in vLLM's own log
-    assert "npu_fuse: graph 0 (inference" in log and "fused rotary_mul x2" in log, log[-3000:]
+    assert "npu_fuse: graph 0 (inference" in log and "rotary_mul x2;" in log, log[-3000:]
 
 
 def test_custom_op_form_generates_the_tokens_of_plain_vllm(engines):
