@@ -10,7 +10,7 @@ alternatives catches it, and a pass that looks at a site another family owns rea
 (``canonicalize.py``), so no-op slices, views and casts, and duplicate views of one tensor,
 are already gone.
 
-- pieces of the last dim: :func:`last_dim_piece`; casts: :func:`uncast`; operands: :func:`binary_operands`;
+- pieces of the last dim: :func:`last_dim_piece`; casts: :func:`uncast`, :func:`widens`; operands: :func:`binary_operands`;
 - normalisation (the MLA prologue and rms_norm): :func:`match_rms_core` (the RMS in every spelling),
   :func:`match_rms_norm` (with its weight and bias).
 """
@@ -28,6 +28,13 @@ from .graph_utils import INT_MAX, aten, is_call, norm_dim, rank, slice_args, sta
 
 # the ops that change only a tensor's dtype (what ``uncast`` looks through)
 DTYPE_CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+
+
+def widens(source: torch.dtype, target: torch.dtype) -> bool:
+    """Casting source to target is exact (target holds every source value) and changes the dtype."""
+    wider = {torch.float16: (torch.float32, torch.float64), torch.bfloat16: (torch.float32, torch.float64),
+             torch.float32: (torch.float64,)}
+    return target in wider.get(source, ())
 
 
 def quiet(matcher, *args):

@@ -149,6 +149,47 @@ def test_the_residual_add_before_a_norm_fuses_into_add_rms_norm(dtype):
     assert torch.equal(residual, expected[1])  # the op's sum output, eager's add bit for bit
 
 
+def test_autocast_residual_stream_of_float32_plus_bfloat16_fuses_into_add_rms_norm():
+    """Under autocast the residual stays float32 and the projection is bfloat16: their sum is float32."""
+    proj, norm = torch.nn.Linear(D, D), LlamaRMSNorm(D)
+    h, x = torch.randn(2, 5, D), torch.randn(2, 5, D)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        (normed, residual), reports = compile_fused(lambda a, b: decoder_residual(a, proj(b), norm), h, x)
+        expected = decoder_residual(h, proj(x), norm)
+    assert fused_ops(reports) == ["add_rms_norm"], [r.summary() for r in reports]
+    assert residual.dtype == torch.float32 and torch.equal(residual, expected[1])
+    assert torch.equal(normed, expected[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_in_half_precision_training_the_residual_add_stays_and_its_norm_fuses(dtype):
+    """The backward reads the float32 rstd of the sum eager rounded to the half dtype; add_rms_norm's
+    rstd is that of the float32 sum, so only the norm of the rounded sum is the op's."""
+    norm = LlamaRMSNorm(D, dtype=dtype)
+    h, attn = (torch.randn(2, 5, D, dtype=dtype, requires_grad=True) for _ in range(2))
+    (normed, residual), reports = compile_fused(lambda a, b: decoder_residual(a, b, norm), h, attn)
+    (normed.float().pow(2).sum() + residual.float().sum()).backward()
+    got = [h.grad, attn.grad, norm.weight.grad]
+    h.grad = attn.grad = norm.weight.grad = None
+    expected = decoder_residual(h, attn, norm)
+    (expected[0].float().pow(2).sum() + expected[1].float().sum()).backward()
+    forward = [r for r in nf.get_reports() if r.kind == "forward"]
+    assert fused_ops(forward) == ["rms_norm"] and near_miss_reasons(nf.get_reports()) == []
+    assert torch.equal(normed, expected[0])
+    for a, b in zip(got, [h.grad, attn.grad, norm.weight.grad]):
+        assert_close(a, b, dtype)
+
+
+def test_an_addend_wider_than_the_sum_is_no_addend_of_add_rms_norm():
+    """float64 + float32 under a float32 norm: the sum is float64, rounded by the norm's cast; not the op's."""
+    norm = LlamaRMSNorm(D)
+    fn = lambda a, b: norm((a + b).float())  # noqa: E731
+    a, b = torch.randn(2, 5, D, dtype=torch.float64), torch.randn(2, 5, D)
+    out, reports = compile_fused(fn, a, b)
+    assert "add_rms_norm" not in fused_ops(reports)
+    assert_close(out, fn(a, b))
+
+
 def test_a_broadcasting_add_stays_an_add_before_rms_norm():
     bias = torch.randn(D)
     fn = lambda x: rms(x + bias) * W  # noqa: E731

@@ -42,7 +42,7 @@ from torch.fx import Node
 
 from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
 from ..graph_utils import aten, describe, shape_eq, size_eq, static_int, users_outside, val
-from ..matchers import RmsCore, binary_operands, match_rms_core, uncast
+from ..matchers import RmsCore, binary_operands, match_rms_core, uncast, widens
 from npu_fuse_backend.lowering.common import FLOAT_DTYPES, HALF_DTYPES
 
 
@@ -152,6 +152,10 @@ class RmsNormFusion(FusionPass):
         if core.rstd is not None and val(core.rstd).dtype == torch.float32 and \
                 any(u not in intermediates and u is not out for u in core.rstd.users):
             outputs.append(core.rstd)  # what autograd saved: the op's rstd
+        if addends is not None and core.rstd in outputs and dtype in HALF_DTYPES:
+            # add_rms_norm's rstd is that of the float32 sum, eager's that of the sum rounded to x's dtype:
+            # a float32 value the backward reads, so the add stays and the norm of its result fuses
+            addends = None
         if addends is not None:
             outputs.append(source)
         if recomputed is not None:
@@ -177,7 +181,8 @@ class RmsNormFusion(FusionPass):
                     gamma = b.call(aten.view.default, gamma, [size])
                 gamma = b.cast(gamma, gamma_dtype)
             if addends is not None:
-                fused = b.call(torch.ops.npu_fuse.add_rms_norm.default, *addends, gamma, eps)
+                fused = b.call(torch.ops.npu_fuse.add_rms_norm.default,
+                               *(b.cast(a, val(source).dtype) for a in addends), gamma, eps)
             else:
                 fused = b.call(torch.ops.npu_fuse.rms_norm.default, source, gamma, eps)
             replaced = {out: b.call(operator.getitem, fused, 0)}
@@ -218,12 +223,15 @@ class RmsNormFusion(FusionPass):
 
 
 def _addends(source: Node, gamma_dtype: torch.dtype) -> Optional[list]:
-    """[x1, x2] where source is ``x1 + x2`` of source's shape and dtype each (no broadcast, no
-    alpha) and AddRmsNorm can take gamma in their dtype; else None."""
+    """[x1, x2] where source is ``x1 + x2`` (no broadcast, no alpha), each of source's shape and of its
+    dtype or one that widens to it exactly, and AddRmsNorm can take gamma in source's dtype; else None.
+    (Under autocast a float32 residual plus a bfloat16 projection is a float32 sum: torch adds in the
+    promoted dtype, so the addend cast up first gives the same sum.)"""
     operands = binary_operands(source, aten.add.Tensor)
-    if operands is None or gamma_dtype != val(source).dtype:
+    dtype = val(source).dtype
+    if operands is None or gamma_dtype != dtype:
         return None
     if not all(isinstance(t, Node) and shape_eq(val(t).shape, val(source).shape) and
-               val(t).dtype == val(source).dtype for t in operands):
+               (val(t).dtype == dtype or widens(val(t).dtype, dtype)) for t in operands):
         return None
     return list(operands)

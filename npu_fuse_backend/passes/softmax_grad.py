@@ -58,7 +58,7 @@ from torch.fx import Node
 from ..fusion import (FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, check_op_args, register_fusion,
                       same_significant_strides)
 from ..graph_utils import VIEWS, aten, describe, is_call, shape_eq, static_int, users_outside, val
-from ..matchers import DTYPE_CASTS, binary_operands
+from ..matchers import DTYPE_CASTS, binary_operands, widens
 from npu_fuse_backend.lowering.ops.softmax_grad import check_softmax_grad_ext_args
 
 Scalar = (int, float)
@@ -733,7 +733,7 @@ class SoftmaxGradFusion(FusionPass):
         scale = x2
         if val(scale).numel() == 1 and tuple(val(scale).shape) not in ((), (1,)):
             scale = b.call(aten.view.default, scale, [1])
-        if _widens(val(scale).dtype, grad.dtype):
+        if widens(val(scale).dtype, grad.dtype):
             scale = b.cast(scale, grad.dtype)
         return scale
 
@@ -918,19 +918,10 @@ def _sbd_chain(sbd: Node, x2, inverted: bool = False) -> SoftmaxBackward:
     return SoftmaxBackward(grad, x1, x2, [sbd], [dim], True, scale_inverted=inverted, form="softmax_backward_data")
 
 
-def _widens(source: torch.dtype, target: torch.dtype) -> bool:
-    """Casting source to target is exact (target holds every source value)."""
-    if source == target:
-        return False
-    wider = {torch.float16: (torch.float32, torch.float64), torch.bfloat16: (torch.float32, torch.float64),
-             torch.float32: (torch.float64,)}
-    return target in wider.get(source, ())
-
-
 def _scale_operand(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The fake x2 the replacement passes for a one-element tensor scale."""
     scale = scale.view(1) if tuple(scale.shape) not in ((), (1,)) else scale
-    return scale.to(dtype) if _widens(scale.dtype, dtype) else scale
+    return scale.to(dtype) if widens(scale.dtype, dtype) else scale
 
 
 def _unscaled_reason(ctx: PassContext, core: Node) -> str:
