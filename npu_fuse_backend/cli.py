@@ -63,7 +63,7 @@ def _results(fn, calls: list, training: bool) -> list:
         return [fn(*args) for args in calls]
 
 
-WIDTHS = (26, 64, 11, 10, 8, 14, 14, 14)  # the model column grows to the longest name
+WIDTHS = (26, 90, 11, 10, 8, 14, 14, 14)  # the model column grows to the longest name
 
 
 def _row(cells, widths, out) -> None:
