@@ -198,19 +198,21 @@ def _load_factory(target: str) -> Callable:
 
 def _run_factory(target: str, factory: Callable, training: bool) -> None:
     """``module:callable``: callable() returns (model, inputs), inputs a tuple of positional
-    arguments or a dict of keyword arguments; the model is compiled with npu_fuse and run once
+    arguments, a dict of keyword arguments or one tensor; the model is compiled with npu_fuse and run once
     (with ``training``: train mode, and a backward of the sum of its floating outputs)."""
     try:
         made = factory()
     except Exception as exc:
         raise _raised(f"{target}()", exc) from None
     if not (isinstance(made, (tuple, list)) and len(made) == 2 and callable(made[0])
-            and isinstance(made[1], (tuple, list, dict))):
+            and isinstance(made[1], (tuple, list, dict, torch.Tensor))):
         got = type(made).__name__ if not isinstance(made, (tuple, list)) else \
             f"({', '.join(type(m).__name__ for m in made)})"
-        raise TargetError(f"{target} must return (model, inputs) with inputs a tuple of arguments or a dict of "
-                          f"keyword arguments, got {got}")
+        raise TargetError(f"{target} must return (model, inputs) with inputs a tuple of arguments, a dict of "
+                          f"keyword arguments or one tensor, got {got}")
     model, inputs = made
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
     args, kwargs = ((), dict(inputs)) if isinstance(inputs, dict) else (tuple(inputs), {})
     if isinstance(model, torch.nn.Module):
         model.train(training)

@@ -27,6 +27,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
 import re
 import typing
 import uuid
@@ -154,8 +155,17 @@ def by_module(records: Iterable) -> dict:
 _FRAME_LINE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<code>\S+)')
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
 def _frames(node: Node) -> list:
     return _FRAME_LINE.findall(node.meta.get("stack_trace") or "")
+
+
+def _users_frame(frames: list) -> tuple:
+    """The innermost frame outside torch itself: the user's ``F.rms_norm(...)`` call, not the line in
+    torch/nn/functional.py that runs it (the innermost frame when every one is torch's)."""
+    return next((f for f in reversed(frames) if not f[0].startswith(_TORCH_DIR)), frames[-1])
 
 
 def _module_stack(node: Node) -> dict:
@@ -179,8 +189,7 @@ def where(nodes: list) -> dict:
     own = [n for n in traced if "Gradient addition node" not in n.meta["stack_trace"]] or traced
     source = frame = ""
     if own:
-        frames = _frames(own[0])
-        file, line, _ = frames[-1]
+        file, line, _ = _users_frame(_frames(own[0]))
         source = f"{file}:{line}"
     if traced:
         frame = graph_frame_name(_frames(traced[0])[0][2])

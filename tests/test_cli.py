@@ -192,6 +192,9 @@ FACTORY = textwrap.dedent("""\
     def not_a_pair():
         return torch.nn.Linear(4, 4)
 
+    def one_tensor():
+        return torch.nn.Linear(4, 4), torch.randn(2, 4)
+
     NOT_CALLABLE = 3
 """)
 
@@ -228,6 +231,11 @@ BAD_TARGETS = [  # argv, exit status, the one line on stderr
     (["factory_mod:fails"], 1, "factory_mod:fails() raised ValueError: no weights here at factory_mod.py:9"),
     (["factory_mod:make", "--", "x"], 2, "a module:callable target takes no arguments, got x"),
 ]
+
+
+def test_a_factory_may_give_one_tensor_as_the_input(factory_dir, capsys):
+    assert main(["explain", "factory_mod:one_tensor", "--json", "--fallback", "aot_eager"]) == 0
+    assert [g["kind"] for g in json.loads(capsys.readouterr().out)["graphs"]] == ["inference"]
 
 
 @pytest.mark.parametrize("argv, status, line", BAD_TARGETS)

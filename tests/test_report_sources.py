@@ -44,6 +44,17 @@ def test_matches_name_the_model_line_module_and_frame_in_forward_and_backward():
     assert sorted(by_op["softmax_grad_ext"]) == [(f"layers.{i}.self_attn", softmax_line) for i in (0, 1)]
 
 
+def test_a_site_in_torchs_own_code_is_located_at_the_users_call():
+    norm = torch.nn.RMSNorm(16, eps=1e-6)
+
+    def fn(x):
+        return norm(x) * 2  # the user's line; torch.nn.functional.rms_norm runs it
+
+    _, reports = compile_fused(fn, torch.randn(2, 16))
+    (match,) = [m for r in reports for m in r.matches]
+    assert match.op == "rms_norm" and match.source == line_of(fn, "return norm(x) * 2"), match.source
+
+
 def test_summary_groups_by_module():
     model = tiny_llama(layers=2)
     with torch.no_grad():
