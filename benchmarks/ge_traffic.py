@@ -198,31 +198,9 @@ def convert(case: Case, soc: str, fused: bool):
     return graphs, fx, origins, nf.get_reports() if fused else []
 
 
-def regions(fused_fx: dict, unfused_fx: dict, matches: list) -> list:
-    """[(match, set of inserted FX node names)]: the new nodes, split into connected components,
-    paired with the matches in graph order."""
-    new = [n for n in fused_fx if n not in unfused_fx]
-    component = {n: n for n in new}
-
-    def root(n):
-        while component[n] != n:
-            n = component[n]
-        return n
-
-    for n in new:
-        for a in fused_fx[n]:
-            if a in component:
-                component[root(a)] = root(n)
-    groups = {}
-    for n in new:
-        groups.setdefault(root(n), []).append(n)
-    order = {n: i for i, n in enumerate(fused_fx)}
-    unfused_order = {n: i for i, n in enumerate(unfused_fx)}
-    parts = sorted(groups.values(), key=lambda g: min(order[n] for n in g))
-    ordered = sorted(matches, key=lambda m: unfused_order.get(m.anchor, 0))
-    if len(parts) != len(ordered):
-        raise RuntimeError(f"{len(parts)} inserted regions for {len(ordered)} matches")
-    return list(zip(ordered, (set(p) for p in parts)))
+def regions(fused_fx: dict, matches: list) -> list:
+    """[(match, set of inserted FX node names)]: each match's replacement nodes still in the graph."""
+    return [(match, set(match.nodes_inserted) & set(fused_fx)) for match in matches]
 
 
 def region_bytes(graph, origins: dict, fx_nodes: set) -> tuple:
@@ -239,9 +217,9 @@ def main():
         for soc in case.socs:
             fused, fused_fx, fused_origins, reports = convert(case, soc, fused=True)
             if case.unfused_converts:
-                plain, plain_fx, plain_origins, _ = convert(case, soc, fused=False)
+                plain, _, plain_origins, _ = convert(case, soc, fused=False)
             else:
-                plain, plain_fx, plain_origins = [None] * len(fused), [None] * len(fused), {}
+                plain, plain_origins = [None] * len(fused), {}
             for i, (u, f) in enumerate(zip(plain, fused)):
                 kind = reports[i].kind
                 assert check_graph(f, soc) == [], f"{case.name} {soc}: non-conformant GE graph"
@@ -258,7 +236,7 @@ def main():
                 if u is None:
                     print(graph_rows[-1], flush=True)
                     continue
-                for match, inserted in regions(fused_fx[i], plain_fx[i], reports[i].matches):
+                for match, inserted in regions(fused_fx[i], reports[i].matches):
                     n_u, b_u = region_bytes(u, plain_origins.get(u.name, {}), {match.anchor, *match.nodes_replaced})
                     n_f, b_f = region_bytes(f, fused_origins.get(f.name, {}), inserted)
                     region_rows.append({

@@ -539,7 +539,8 @@ class PassManager:
                 claimed.update(inside - views)
                 shared.update(views)
                 matches.append(Match(fusion.name, rewrite.op, rewrite.anchor.name,
-                                     tuple(n.name for n in subgraph), rewrite.detail, **where(subgraph),
+                                     tuple(n.name for n in subgraph), rewrite.detail,
+                                     tuple(n.name for n in inserted), **where(subgraph),
                                      unvalidated="; ".join(notes)))
             _erase_dead(ctx.graph, claimed | shared)
         except Exception as exc:  # a pass must never break the user's compile

@@ -60,6 +60,7 @@ class Match:
     anchor: str
     nodes_replaced: tuple[str, ...]
     detail: str = ""
+    nodes_inserted: tuple[str, ...] = ()  # the replacement's nodes (the fused call and its glue)
     source: str = ""  # file:line of the model code
     module: str = ""  # module path, e.g. "model.layers.3.self_attn"
     frame: str = ""  # the graph's frame: "[compile id] code name"

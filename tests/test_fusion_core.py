@@ -133,6 +133,14 @@ def test_the_manager_runs_with_the_settings_it_receives_not_the_config_now():
         assert fused_ops([manager(gm)]) == ["rotary_mul"]
 
 
+def test_a_match_names_the_nodes_of_its_replacement():
+    gm = make_fx(rope, tracing_mode="fake")(*rope_args())
+    (match,) = nf.run_fusion_passes(gm).matches
+    nodes = {n.name: n for n in gm.graph.nodes}
+    assert set(match.nodes_inserted) <= set(nodes) and not set(match.nodes_replaced) & set(nodes)
+    assert [nodes[n].target for n in match.nodes_inserted if nodes[n].target == torch.ops.npu_fuse.rotary_mul.default]
+
+
 def test_settings_from_config_are_a_checked_snapshot():
     with nf.config.patch(soc="Ascend950", disabled_fusions=["rope_interleave"], strict=True,
                          translation_validation=False), pytest.warns(DeprecationWarning):
