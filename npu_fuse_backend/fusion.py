@@ -652,6 +652,8 @@ class PassManager:
 
 def _erase_dead(graph: Graph, nodes: set[Node]) -> None:
     """Erase the replaced nodes left without users, and the constants (a shared zeros) they alone used."""
+    if not nodes:
+        return
     order = {node: i for i, node in enumerate(graph.nodes)}
     constants = set()
     for node in sorted(nodes, key=order.__getitem__, reverse=True):
