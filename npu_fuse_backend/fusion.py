@@ -32,6 +32,7 @@ import warnings
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Graph, GraphModule, Node
 
 from . import config
@@ -175,25 +176,29 @@ _SCHEMA_SCALARS = {"float": float, "int": int, "bool": bool, "str": str}
 _NOT_AS_IS = object()
 
 
-def _as_dispatched(schema_type: Any, value: Any) -> Any:
+def _as_dispatched(schema_type: Any, value: Any, fake_mode: Any) -> Any:
     """value as the dispatcher hands it to a Python kernel for an argument of this type; _NOT_AS_IS
-    where it would convert it otherwise or refuse it (an int for a float, a SymInt, a bool for an int)."""
+    where it would convert it otherwise or refuse it (an int for a float, a SymInt, a bool for an int),
+    or where the fake mode would (a tensor not of that mode), or autograd would record the call."""
     kind = str(schema_type)
-    if kind == "Tensor" and isinstance(value, torch.Tensor) or \
-            kind == "Optional[Tensor]" and (value is None or isinstance(value, torch.Tensor)):
-        return _NOT_AS_IS if value is not None and value.requires_grad else value  # (autograd would record it)
+    if kind == "Optional[Tensor]" and value is None:
+        return value
+    if kind in ("Tensor", "Optional[Tensor]"):
+        ours = isinstance(value, FakeTensor) and value.fake_mode is fake_mode and not value.requires_grad
+        return value if ours else _NOT_AS_IS
     if kind == "List[int]" and isinstance(value, (list, tuple)) and all(type(v) is int for v in value):
         return list(value)
     scalar = _SCHEMA_SCALARS.get(kind)
     return value if scalar is not None and type(value) is scalar else _NOT_AS_IS
 
 
-def _direct_fake_kernel(target: Any, args: tuple, kwargs: dict) -> Optional[Callable]:
+def _direct_fake_kernel(fake_mode: Any, target: Any, args: tuple, kwargs: dict) -> Optional[Callable]:
     """For a call of a functional fused op whose every argument the dispatcher would pass on as it is:
     ``run(fake_mode)``, which calls the op's registered fake kernel as FakeTensorMode would (the same
     value, for half the cost of the dispatch: the custom op's autograd and dynamo wrappers, the fake
     mode's cache key hashing). None for any other call."""
-    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "npu_fuse":
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "npu_fuse" or \
+            getattr(fake_mode, "propagate_real_tensors", False):  # (that mode runs the real kernel too)
         return None
     schema = target._schema
     if schema.is_mutable or len(args) > len(schema.arguments):
@@ -201,8 +206,8 @@ def _direct_fake_kernel(target: Any, args: tuple, kwargs: dict) -> Optional[Call
     formals = {a.name: a for a in schema.arguments}
     if any(k not in formals for k in kwargs):
         return None
-    args = tuple(_as_dispatched(a.type, v) for a, v in zip(schema.arguments, args))
-    kwargs = {k: _as_dispatched(formals[k].type, v) for k, v in kwargs.items()}
+    args = tuple(_as_dispatched(a.type, v, fake_mode) for a, v in zip(schema.arguments, args))
+    kwargs = {k: _as_dispatched(formals[k].type, v, fake_mode) for k, v in kwargs.items()}
     if any(v is _NOT_AS_IS for v in (*args, *kwargs.values())):
         return None
     try:  # private: where FakeTensorMode itself finds a custom op's fake kernel and sets up its context
@@ -224,7 +229,7 @@ def _direct_fake_kernel(target: Any, args: tuple, kwargs: dict) -> Optional[Call
 def fake_value(fake_mode: Any, target: Callable, args: tuple, kwargs: dict) -> Any:
     """target's value on fake arguments under fake_mode. A fused op's fake kernel, and so its argument
     checker, runs as the dispatcher would run it (:func:`_direct_fake_kernel`), without the dispatch."""
-    direct = _direct_fake_kernel(target, args, kwargs)
+    direct = _direct_fake_kernel(fake_mode, target, args, kwargs)
     if direct is not None:
         return direct(fake_mode)
     with fake_mode:

@@ -237,7 +237,7 @@ def test_a_fused_op_fake_value_without_the_dispatch_is_the_dispatchers(op, args)
     """The builder calls a fused op's fake kernel directly: the same value as through the dispatcher."""
     mode, (x, w, t) = _fake_mode_and(torch.randn(2, 4, 8, 16), torch.randn(16), torch.randn(2, 1, 8, 16))
     call = args(x, w, t)
-    assert fusion._direct_fake_kernel(op, call, {}) is not None  # (the fast path is taken)
+    assert fusion._direct_fake_kernel(mode, op, call, {}) is not None  # (the fast path is taken)
     with mode:
         expected = op(*call)
     value = fusion.fake_value(mode, op, call, {})
@@ -248,7 +248,7 @@ def test_a_fused_op_fake_value_without_the_dispatch_is_the_dispatchers(op, args)
 def test_a_fused_op_fake_value_without_the_dispatch_still_runs_the_ops_argument_checks():
     mode, (x, t) = _fake_mode_and(torch.randn(2, 4, 8, 15), torch.randn(2, 1, 8, 15))
     op = torch.ops.npu_fuse.rotary_mul.default
-    assert fusion._direct_fake_kernel(op, (x, t, t, "half"), {}) is not None
+    assert fusion._direct_fake_kernel(mode, op, (x, t, t, "half"), {}) is not None
     with pytest.raises(ValueError) as direct:
         fusion.fake_value(mode, op, (x, t, t, "half"), {})
     with pytest.raises(ValueError) as dispatched, mode:
@@ -261,6 +261,7 @@ def test_a_fused_op_fake_value_without_the_dispatch_still_runs_the_ops_argument_
     (torch.ops.npu_fuse.rms_norm.default, lambda x, w: ((x, w, True), {})),  # a bool for a float: converted
     (torch.ops.npu_fuse.rms_norm.default, lambda x, w: ((x, w), {"eps": 1e-6})),  # no such argument
     (torch.ops.npu_fuse.rms_norm.default, lambda x, w: ((x, w.requires_grad_()), {})),  # autograd records it
+    (torch.ops.npu_fuse.rms_norm.default, lambda x, w: ((x, torch.ones(16)), {})),  # not of the fake mode
     (torch.ops.npu_fuse.inplace_partial_rotary_mul.default, lambda x, w: ((x, w, w), {})),  # mutates x
     (aten.mul.Tensor, lambda x, w: ((x, w), {})),  # not a fused op
 ])
@@ -268,7 +269,7 @@ def test_a_call_the_dispatcher_would_convert_or_refuse_goes_through_the_dispatch
     mode, (x, w) = _fake_mode_and(torch.randn(2, 16), torch.randn(16))
     op, arguments = call
     args, kwargs = arguments(x, w)
-    assert fusion._direct_fake_kernel(op, args, kwargs) is None
+    assert fusion._direct_fake_kernel(mode, op, args, kwargs) is None
     try:
         with mode:
             expected = _meta(op(*args, **kwargs))
