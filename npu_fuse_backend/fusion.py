@@ -32,6 +32,7 @@ import warnings
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Graph, GraphModule, Node
 
 from . import config
@@ -170,6 +171,71 @@ def _fake(value: Any) -> Any:
     return value.meta["val"] if isinstance(value, Node) else value
 
 
+# Python types an argument of these schema types arrives in when the dispatcher calls a Python kernel
+_SCHEMA_SCALARS = {"float": float, "int": int, "bool": bool, "str": str}
+_NOT_AS_IS = object()
+
+
+def _as_dispatched(schema_type: Any, value: Any, fake_mode: Any) -> Any:
+    """value as the dispatcher hands it to a Python kernel for an argument of this type; _NOT_AS_IS
+    where it would convert it otherwise or refuse it (an int for a float, a SymInt, a bool for an int),
+    or where the fake mode would (a tensor not of that mode), or autograd would record the call."""
+    kind = str(schema_type)
+    if kind == "Optional[Tensor]" and value is None:
+        return value
+    if kind in ("Tensor", "Optional[Tensor]"):
+        ours = isinstance(value, FakeTensor) and value.fake_mode is fake_mode and not value.requires_grad
+        return value if ours else _NOT_AS_IS
+    if kind == "List[int]" and isinstance(value, (list, tuple)) and all(type(v) is int for v in value):
+        return list(value)
+    scalar = _SCHEMA_SCALARS.get(kind)
+    return value if scalar is not None and type(value) is scalar else _NOT_AS_IS
+
+
+def _direct_fake_kernel(fake_mode: Any, target: Any, args: tuple, kwargs: dict) -> Optional[Callable]:
+    """For a call of a functional fused op whose every argument the dispatcher would pass on as it is:
+    ``run(fake_mode)``, which calls the op's registered fake kernel as FakeTensorMode would (the same
+    value, for half the cost of the dispatch: the custom op's autograd and dynamo wrappers, the fake
+    mode's cache key hashing). None for any other call."""
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "npu_fuse" or \
+            getattr(fake_mode, "propagate_real_tensors", False):  # (that mode runs the real kernel too)
+        return None
+    schema = target._schema
+    if schema.is_mutable or len(args) > len(schema.arguments):
+        return None
+    formals = {a.name: a for a in schema.arguments}
+    if any(k not in formals for k in kwargs):
+        return None
+    args = tuple(_as_dispatched(a.type, v, fake_mode) for a, v in zip(schema.arguments, args))
+    kwargs = {k: _as_dispatched(formals[k].type, v, fake_mode) for k, v in kwargs.items()}
+    if any(v is _NOT_AS_IS for v in (*args, *kwargs.values())):
+        return None
+    try:  # private: where FakeTensorMode itself finds a custom op's fake kernel and sets up its context
+        kernel = torch._library.simple_registry.singleton.find(target.name()).fake_impl.kernel
+        fake_impl_ctx, set_ctx_getter = torch._library.fake_impl.FakeImplCtx, torch._library.fake_impl.set_ctx_getter
+    except AttributeError:  # another torch's internals: the dispatcher path
+        return None
+    if kernel is None:
+        return None
+
+    def run(fake_mode: Any) -> Any:
+        context = fake_impl_ctx(fake_mode, target)  # what torch.library.get_ctx() returns in the kernel
+        with set_ctx_getter(lambda: context), fake_mode:
+            return kernel(*args, **kwargs)
+
+    return run
+
+
+def fake_value(fake_mode: Any, target: Callable, args: tuple, kwargs: dict) -> Any:
+    """target's value on fake arguments under fake_mode. A fused op's fake kernel, and so its argument
+    checker, runs as the dispatcher would run it (:func:`_direct_fake_kernel`), without the dispatch."""
+    direct = _direct_fake_kernel(fake_mode, target, args, kwargs)
+    if direct is not None:
+        return direct(fake_mode)
+    with fake_mode:
+        return target(*args, **kwargs)
+
+
 class GraphBuilder(_Emitter):
     """Emits replacement nodes before an anchor and gives each one ``meta["val"]``.
 
@@ -197,8 +263,7 @@ class GraphBuilder(_Emitter):
         self._inserted.append(node)
         fake_args, fake_kwargs = torch.fx.map_arg((args, kwargs), lambda n: n.meta["val"])
         try:
-            with self.fake_mode:
-                node.meta["val"] = target(*fake_args, **fake_kwargs)
+            node.meta["val"] = fake_value(self.fake_mode, target, fake_args, fake_kwargs)
         except ValueError as exc:  # a fused op's argument check: the op cannot take this subgraph
             if fused_calls([node]):
                 raise ArgumentsRefused(str(exc)) from exc
@@ -216,8 +281,7 @@ class FakeValues(_Emitter):
 
     def call(self, target: Callable, *args, **kwargs) -> Any:
         args, kwargs = torch.fx.map_arg((args, kwargs), lambda n: n.meta["val"])
-        with self.fake_mode:
-            return target(*args, **kwargs)
+        return fake_value(self.fake_mode, target, args, kwargs)
 
 
 @dataclasses.dataclass
@@ -594,6 +658,8 @@ class PassManager:
 
 def _erase_dead(graph: Graph, nodes: set[Node]) -> None:
     """Erase the replaced nodes left without users, and the constants (a shared zeros) they alone used."""
+    if not nodes:
+        return
     order = {node: i for i, node in enumerate(graph.nodes)}
     constants = set()
     for node in sorted(nodes, key=order.__getitem__, reverse=True):

@@ -24,6 +24,7 @@ published with ``from_cache=True``.
 import collections
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -159,8 +160,14 @@ _FRAME_LINE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<co
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
-def _frames(node: Node) -> list:
-    return _FRAME_LINE.findall(node.meta.get("stack_trace") or "")
+def _frames(node: Node) -> tuple:
+    return _parsed_trace(node.meta.get("stack_trace") or "")
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed_trace(trace: str) -> tuple:
+    """(file, line, code) of each frame (once per trace: the layers of a model share their traces)."""
+    return tuple(_FRAME_LINE.findall(trace))
 
 
 def _users_frame(frames: list) -> tuple:

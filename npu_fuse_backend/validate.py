@@ -100,6 +100,7 @@ a rewrite that cannot be shown equal is not made.
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import warnings
@@ -265,6 +266,11 @@ def _is_size(node: Node) -> bool:
     return isinstance(value, (int, float, bool)) or _is_sym(value)
 
 
+def _is_float_tensor(node: Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
 def _mutates(node: Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     return schema is not None and schema.is_mutable
@@ -286,7 +292,20 @@ def _uninitialized(node: Node) -> bool:
 
 def _runnable(node: Node) -> bool:
     """A node the bridge may run: a known op (below) that neither draws random numbers nor mutates."""
+    target = node.target
+    if node.op != "call_function" or isinstance(target, torch._ops.HigherOrderOperator):
+        return _runnable_node(node)  # (what a higher-order op runs is among its arguments)
+    found = _RUNNABLE_TARGETS.get(target)  # the other calls': a property of their target alone
+    if found is None:
+        found = _RUNNABLE_TARGETS[target] = _runnable_node(node)
+    return found
+
+
+def _runnable_node(node: Node) -> bool:
     return not _is_random(node) and not _uninitialized(node) and not _mutates(node) and _known(node)
+
+
+_RUNNABLE_TARGETS: dict = {}  # call target -> _runnable of its calls (asked of every node a bridge walks past)
 
 
 def _known(node: Node) -> bool:
@@ -326,9 +345,6 @@ class _Validation:
                 what = "random" if _is_random(node) else "opaque"
                 raise Unvalidatable(f"{_describe(node)} is {what}: validation never runs such an op")
         original, replacement = set(self.original), set(self.inserted)
-        # the original values the replacement reads, and the outputs: kept for the second side and the verdict
-        self.kept = {n for node in self.inserted for n in node.all_input_nodes if n in original}
-        self.kept |= set(outputs) | set(outputs.values())
         reads = [n for node in self.original for n in node.all_input_nodes if n not in original]
         reads += [n for node in self.inserted for n in node.all_input_nodes
                   if n not in replacement and n not in original]
@@ -336,15 +352,30 @@ class _Validation:
         self.reads = list(dict.fromkeys(reads))
         self.bridge, self.leaves = _plan_inputs(self.reads, frozenset(replacement))
         self.nodes = [*self.leaves, *self.bridge, *self.original, *self.inserted]
-        self.index_uses = self._index_uses()
-        floats = [leaf.meta["val"].dtype for leaf in self.leaves if isinstance(leaf.meta.get("val"), torch.Tensor)
-                  and leaf.meta["val"].is_floating_point()]
-        narrow = floats and all(torch.finfo(d).bits <= 16 for d in floats)
-        self.reference_dtype = torch.float32 if narrow else torch.float64
-        self.rng_states = {leaf for leaf in self.leaves for user in leaf.users
-                           if user.target is torch.ops.higher_order.run_with_rng_state and user.args[0] is leaf}
 
-    def _index_uses(self) -> dict:
+    # what only an evaluation needs (most rewrites are shown equal by their signature alone)
+    @functools.cached_property
+    def kept(self) -> set:
+        """The original values the replacement reads, and the outputs: kept for the second side and the
+        verdict."""
+        original = set(self.original)
+        kept = {n for node in self.inserted for n in node.all_input_nodes if n in original}
+        return kept | set(self.outputs) | set(self.outputs.values())
+
+    @functools.cached_property
+    def reference_dtype(self) -> torch.dtype:
+        floats = [leaf.meta["val"].dtype for leaf in self.leaves if _is_float_tensor(leaf)]
+        narrow = floats and all(torch.finfo(d).bits <= 16 for d in floats)
+        return torch.float32 if narrow else torch.float64
+
+    @functools.cached_property
+    def rng_states(self) -> set:
+        # (a generator state is an integer tensor: a float leaf, as a table every layer reads, is none)
+        return {leaf for leaf in self.leaves if not _is_float_tensor(leaf) for user in leaf.users
+                if user.target is torch.ops.higher_order.run_with_rng_state and user.args[0] is leaf}
+
+    @functools.cached_property
+    def index_uses(self) -> dict:
         """{integer leaf: [_IndexUse]} for the leaves the subgraph (or the bridge) indexes with."""
         scope = set(self.original) | set(self.bridge)
         uses = {}
@@ -467,7 +498,7 @@ def _plan_inputs(reads: list, replacement: frozenset = frozenset()) -> tuple:
             return kinds[node]
         if node.op == "get_attr":
             result = "const"
-        elif _is_size(node) and node.op == "placeholder":
+        elif node.op == "placeholder" and _is_size(node):
             result = "size"
         elif not _runnable(node) or (depth > BRIDGE_HOPS and node not in replacement):
             result = "free"

@@ -218,3 +218,71 @@ def test_a_refused_rewrite_whose_outputs_share_one_replacement_restores_every_us
     x = torch.randn(4)
     for got, expected in zip(gm(x), fn(x)):
         torch.testing.assert_close(got, expected)
+
+
+# -- fake values of the calls a rewrite emits -------------------------------------------------------
+def _fake_mode_and(*tensors):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    return mode, [mode.from_tensor(t) for t in tensors]
+
+
+def _meta(value):
+    values = value if isinstance(value, tuple) else (value,)
+    return [(type(v), tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, v.device, v.requires_grad)
+            for v in values]
+
+
+@pytest.mark.parametrize("op, args", [
+    (torch.ops.npu_fuse.rotary_mul.default, lambda x, w, t: (x, t, t, "half")),
+    (torch.ops.npu_fuse.add_rms_norm.default, lambda x, w, t: (x, x, w, 1e-6)),
+    (torch.ops.npu_fuse.rms_norm.default, lambda x, w, t: (x.transpose(1, 2), w, 1e-5)),
+    (torch.ops.npu_fuse.rotary_mul_backward.default, lambda x, w, t: (x, None, t, t, "half", False)),
+])
+def test_a_fused_op_fake_value_without_the_dispatch_is_the_dispatchers(op, args):
+    """The builder calls a fused op's fake kernel directly: the same value as through the dispatcher."""
+    mode, (x, w, t) = _fake_mode_and(torch.randn(2, 4, 8, 16), torch.randn(16), torch.randn(2, 1, 8, 16))
+    call = args(x, w, t)
+    assert fusion._direct_fake_kernel(mode, op, call, {}) is not None  # (the fast path is taken)
+    with mode:
+        expected = op(*call)
+    value = fusion.fake_value(mode, op, call, {})
+    assert _meta(value) == _meta(expected)
+    assert all(v.fake_mode is mode for v in (value if isinstance(value, tuple) else (value,)))
+
+
+def test_a_fused_op_fake_value_without_the_dispatch_still_runs_the_ops_argument_checks():
+    mode, (x, t) = _fake_mode_and(torch.randn(2, 4, 8, 15), torch.randn(2, 1, 8, 15))
+    op = torch.ops.npu_fuse.rotary_mul.default
+    assert fusion._direct_fake_kernel(mode, op, (x, t, t, "half"), {}) is not None
+    with pytest.raises(ValueError) as direct:
+        fusion.fake_value(mode, op, (x, t, t, "half"), {})
+    with pytest.raises(ValueError) as dispatched, mode:
+        op(x, t, t, "half")
+    assert str(direct.value) == str(dispatched.value) and "even" in str(direct.value)
+
+
+@pytest.mark.parametrize("call", [
+    (torch.ops.npu_fuse.rms_norm.default, lambda x, w: ((x, w, 1), {})),  # an int for a float: converted
+    (torch.ops.npu_fuse.rms_norm.default, lambda x, w: ((x, w, True), {})),  # a bool for a float: converted
+    (torch.ops.npu_fuse.rms_norm.default, lambda x, w: ((x, w), {"eps": 1e-6})),  # no such argument
+    (torch.ops.npu_fuse.rms_norm.default, lambda x, w: ((x, w.requires_grad_()), {})),  # autograd records it
+    (torch.ops.npu_fuse.rms_norm.default, lambda x, w: ((x, torch.ones(16)), {})),  # not of the fake mode
+    (torch.ops.npu_fuse.inplace_partial_rotary_mul.default, lambda x, w: ((x, w, w), {})),  # mutates x
+    (aten.mul.Tensor, lambda x, w: ((x, w), {})),  # not a fused op
+])
+def test_a_call_the_dispatcher_would_convert_or_refuse_goes_through_the_dispatcher(call):
+    mode, (x, w) = _fake_mode_and(torch.randn(2, 16), torch.randn(16))
+    op, arguments = call
+    args, kwargs = arguments(x, w)
+    assert fusion._direct_fake_kernel(mode, op, args, kwargs) is None
+    try:
+        with mode:
+            expected = _meta(op(*args, **kwargs))
+    except Exception as exc:  # the dispatcher's own refusal, the same way
+        with pytest.raises(type(exc)):
+            fusion.fake_value(mode, op, args, kwargs)
+    else:
+        assert _meta(fusion.fake_value(mode, op, args, kwargs)) == expected

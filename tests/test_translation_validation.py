@@ -384,6 +384,29 @@ def test_a_rewrite_identical_to_one_shown_equal_is_not_evaluated_again(monkeypat
     assert tally() == {"equal": 3, "equal_by_identical_rewrite": 1}
 
 
+def test_the_signature_tells_structurally_different_rewrites_apart():
+    """Equal only for the same ops, constants, wiring and input metadata: what skips an evaluation."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graph = torch.fx.Graph()
+    x, y, z = (graph.placeholder(name) for name in "xyz")
+    calls = {name: graph.call_function(aten.mul.Tensor, args) for name, args in
+             {"x*2": (x, 2.0), "y*2": (y, 2.0), "x*3": (x, 3.0), "x*y": (x, y), "x*x": (x, x), "z*2": (z, 2.0),
+              "x*-0.": (x, -0.0), "x*0.": (x, 0.0)}.items()}
+    replacements = {name: graph.call_function(aten.add.Tensor, (node.args[0], node.args[0])) for name, node in
+                    calls.items()}
+    with FakeTensorMode() as mode:
+        x.meta["val"], y.meta["val"] = mode.from_tensor(torch.empty(4, 8)), mode.from_tensor(torch.empty(4, 8))
+        z.meta["val"] = mode.from_tensor(torch.empty(8, 4).t())  # x's shape, other strides
+        for node in [*calls.values(), *replacements.values()]:
+            node.meta["val"] = node.target(*torch.fx.map_arg(node.args, lambda n: n.meta["val"]))
+    found = {name: validate._Validation([node], {node: replacements[name]}, [replacements[name]], 0).signature()
+             for name, node in calls.items()}
+    assert found["x*2"] == found["y*2"]  # one structure on inputs of one layout
+    distinct = ["x*2", "x*3", "x*y", "x*x", "z*2", "x*-0.", "x*0."]
+    assert len({found[name] for name in distinct}) == len(distinct)
+
+
 # -- tolerance: the scale of the values an element is computed with --------------------------------
 def test_a_row_of_large_values_carries_their_rounding_but_a_wrong_element_is_found():
     """An updated cache: rows of small values, one written row of large ones where an element computed
