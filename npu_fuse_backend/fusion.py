@@ -116,6 +116,9 @@ class PassContext:
     fake_mode: Any
     # fused op name -> why the lowering cannot take it (e.g. the installed CANN lacks its GE op)
     unsupported_ops: dict = dataclasses.field(default_factory=dict)
+    # what a pass computes once per graph and run for the passes after it too (the RoPE recognizer's
+    # analysis): one dict for the run's contexts, gone with the run
+    memo: dict = dataclasses.field(default_factory=dict)
     _positions: Optional[dict] = None
 
     def position(self, node: Node) -> int:
@@ -546,8 +549,9 @@ class PassManager:
         else:
             soc = resolve_soc(self.settings.soc)
             changed = self._canonicalize(graph, report)
+            memo: dict = {}
             for fusion in self.passes:  # a fresh context each: the previous pass may have edited the graph
-                ctx = PassContext(graph, soc, report.kind, fake_mode, dict(unsupported_ops or {}))
+                ctx = PassContext(graph, soc, report.kind, fake_mode, dict(unsupported_ops or {}), memo)
                 changed |= self._run_one(fusion, ctx, report)
             if changed:
                 graph.lint()

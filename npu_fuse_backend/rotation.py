@@ -48,13 +48,13 @@ until the graph changes.
 import dataclasses
 import functools
 import operator
-import weakref
 from typing import Any, Optional, Union
 
 import torch
 from torch.fx import Graph, Node
 
 from .canonicalize import PERMUTES
+from .fusion import PassContext
 from .graph_utils import VIEWS, aten, is_call, norm_dim, shape_eq, size_eq, slice_args, slice_scatter_args, \
     static_int, users_outside, val
 from .matchers import DTYPE_CASTS
@@ -1902,16 +1902,15 @@ def _template(result: Union[Rotation, Refusal, None], order: list) -> Any:
             "region": [index[n] for n in result.region], "chain": [index[n] for n in result.chain]}
 
 
-_CACHE: "weakref.WeakKeyDictionary[Graph, tuple]" = weakref.WeakKeyDictionary()
-
-
-def analysis(graph: Graph, kind: str) -> Analysis:
-    """The graph's Analysis, computed once until the graph changes (any node created or erased)."""
+def analysis(ctx: PassContext) -> Analysis:
+    """The graph's Analysis for the passes of one run (``ctx.memo``, which goes with the run),
+    computed again when the graph changed (any node created or erased)."""
+    graph = ctx.graph
     created = getattr(getattr(graph, "_graph_namespace", None), "_used_names", None)  # grows with every new node
-    key = (len(graph.nodes), len(created) if created is not None else tuple(map(id, graph.nodes)), kind)
-    cached = _CACHE.get(graph)
+    key = (len(graph.nodes), len(created) if created is not None else tuple(map(id, graph.nodes)), ctx.kind)
+    cached = ctx.memo.get(__name__)
     if cached is not None and cached[0] == key:
         return cached[1]
-    found = Analysis(graph, kind)
-    _CACHE[graph] = (key, found)
+    found = Analysis(graph, ctx.kind)
+    ctx.memo[__name__] = (key, found)
     return found

@@ -1,5 +1,8 @@
 """The fusion core: canonicalization, pass order, and the per-op checks of every rewrite."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -139,6 +142,16 @@ def test_a_match_names_the_nodes_of_its_replacement():
     nodes = {n.name: n for n in gm.graph.nodes}
     assert set(match.nodes_inserted) <= set(nodes) and not set(match.nodes_replaced) & set(nodes)
     assert [nodes[n].target for n in match.nodes_inserted if nodes[n].target == torch.ops.npu_fuse.rotary_mul.default]
+
+
+def test_a_graph_the_passes_ran_on_is_freed_with_its_module():
+    """What a pass keeps for the passes after it (the RoPE recognizer's analysis) goes with the run."""
+    gm = make_fx(rope, tracing_mode="fake")(*rope_args())
+    assert fused_ops([nf.run_fusion_passes(gm)]) == ["rotary_mul"]
+    graph = weakref.ref(gm.graph)
+    del gm
+    gc.collect()
+    assert graph() is None
 
 
 def test_settings_from_config_are_a_checked_snapshot():

@@ -292,7 +292,7 @@ class MlaPreprocessFusion(FusionPass):
     anchor_targets = (aten.add.Tensor,)
 
     def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
-        site = rotation.analysis(ctx.graph, ctx.kind).rotation_at(anchor)
+        site = rotation.analysis(ctx).rotation_at(anchor)
         if site is None or site.passthrough or site.backward or site.lead_perm:
             return None  # (the RoPE passes report a RoPE site's near-miss)
         q3 = site.x
@@ -426,7 +426,7 @@ class MlaPreprocessFusion(FusionPass):
         kv = kv_nodes[0]
         lanes = {uncast(qkv).node: (mla.QKV - mla.ROPE, mla.QKV), kv: (mla.KV_LORA, mla.KV_LORA + mla.ROPE),
                  k_pe: (0, mla.ROPE)}
-        for site in rotation.analysis(ctx.graph, ctx.kind).rotations():
+        for site in rotation.analysis(ctx).rotations():
             if not (lanes.get(uncast(site.x).node) == (site.start, site.end)
                     and site.form == q_site.form and not site.passthrough and not site.backward):
                 continue

@@ -50,10 +50,10 @@ class PartialRopeFusion(FusionPass):
     role = "partial"
 
     def anchors(self, ctx: PassContext):
-        return [anchor for anchor, _ in rotation.analysis(ctx.graph, ctx.kind).decisions(self.role)]
+        return [anchor for anchor, _ in rotation.analysis(ctx).decisions(self.role)]
 
     def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
-        analysis = rotation.analysis(ctx.graph, ctx.kind)
+        analysis = rotation.analysis(ctx)
         found = dict(analysis.decisions(self.role)).get(anchor)
         if not isinstance(found, rotation.Rotation):
             return None

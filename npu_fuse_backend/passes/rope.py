@@ -42,10 +42,10 @@ class RopeFusion(FusionPass):
     role = "rotary_mul"
 
     def anchors(self, ctx: PassContext):
-        return [anchor for anchor, _ in rotation.analysis(ctx.graph, ctx.kind).decisions(self.role)]
+        return [anchor for anchor, _ in rotation.analysis(ctx).decisions(self.role)]
 
     def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
-        found = dict(rotation.analysis(ctx.graph, ctx.kind).decisions(self.role)).get(anchor)
+        found = dict(rotation.analysis(ctx).decisions(self.role)).get(anchor)
         if found is None:
             return None
         if isinstance(found, rotation.Refusal):
