@@ -198,9 +198,44 @@ def convert(case: Case, soc: str, fused: bool):
     return graphs, fx, origins, nf.get_reports() if fused else []
 
 
-def regions(fused_fx: dict, matches: list) -> list:
-    """[(match, set of inserted FX node names)]: each match's replacement nodes still in the graph."""
-    return [(match, set(match.nodes_inserted) & set(fused_fx)) for match in matches]
+def regions(fused_fx: dict, unfused_fx: dict, matches: list) -> list:
+    """[(match, set of FX node names)]: the nodes new after the pass (the rewrites' and what torchair's
+    pre-pass made of them), split into connected components, each paired with the match whose
+    replacement it holds (``Match.nodes_inserted``; two replacements that touch, as chained
+    add_rms_norms do, stay apart), or else with the matches left, in graph order."""
+    new = [n for n in fused_fx if n not in unfused_fx]
+    owner = {n: i for i, m in enumerate(matches) for n in m.nodes_inserted}
+    component = {n: n for n in new}
+
+    def root(n):
+        while component[n] != n:
+            n = component[n]
+        return n
+
+    for n in new:
+        for a in fused_fx[n]:
+            if a in component and not (a in owner and n in owner and owner[a] != owner[n]):
+                component[root(a)] = root(n)
+    groups = {}
+    for n in new:
+        groups.setdefault(root(n), []).append(n)
+    order = {n: i for i, n in enumerate(fused_fx)}
+    parts = sorted(groups.values(), key=lambda g: min(order[n] for n in g))
+    if len(parts) != len(matches):
+        raise RuntimeError(f"{len(parts)} inserted regions for {len(matches)} matches")
+    by_match, unowned = {}, []
+    for part in parts:
+        owners = {owner[n] for n in part if n in owner}
+        if len(owners) > 1 or owners & set(by_match):
+            raise RuntimeError(f"a region of {len(part)} nodes holds the replacements of matches {sorted(owners)}")
+        if owners:
+            by_match[owners.pop()] = part
+        else:
+            unowned.append(part)
+    unfused_order = {n: i for i, n in enumerate(unfused_fx)}
+    rest = sorted(set(range(len(matches))) - set(by_match), key=lambda i: unfused_order.get(matches[i].anchor, 0))
+    by_match.update(zip(rest, unowned))
+    return [(matches[i], set(by_match[i])) for i in range(len(matches))]
 
 
 def region_bytes(graph, origins: dict, fx_nodes: set) -> tuple:
@@ -217,9 +252,9 @@ def main():
         for soc in case.socs:
             fused, fused_fx, fused_origins, reports = convert(case, soc, fused=True)
             if case.unfused_converts:
-                plain, _, plain_origins, _ = convert(case, soc, fused=False)
+                plain, plain_fx, plain_origins, _ = convert(case, soc, fused=False)
             else:
-                plain, plain_origins = [None] * len(fused), {}
+                plain, plain_fx, plain_origins = [None] * len(fused), [None] * len(fused), {}
             for i, (u, f) in enumerate(zip(plain, fused)):
                 kind = reports[i].kind
                 assert check_graph(f, soc) == [], f"{case.name} {soc}: non-conformant GE graph"
@@ -236,7 +271,7 @@ def main():
                 if u is None:
                     print(graph_rows[-1], flush=True)
                     continue
-                for match, inserted in regions(fused_fx[i], reports[i].matches):
+                for match, inserted in regions(fused_fx[i], plain_fx[i], reports[i].matches):
                     n_u, b_u = region_bytes(u, plain_origins.get(u.name, {}), {match.anchor, *match.nodes_replaced})
                     n_f, b_f = region_bytes(f, fused_origins.get(f.name, {}), inserted)
                     region_rows.append({
