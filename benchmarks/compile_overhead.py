@@ -7,7 +7,7 @@ the RoPE recognizer and translation validation included) at most 0.1x the time i
 Llama's ``q * cos + rotate_half(q) * sin`` by ``rotary_mul``) to the same aten graph.
 
 Run: python benchmarks/compile_overhead.py [--layers 2 8 32] [--fallback inductor] [--train]
-     python benchmarks/compile_overhead.py --versus-pattern-matcher [--layers 2 8 32] [--repeat 5]
+     python benchmarks/compile_overhead.py --versus-pattern-matcher [--layers 2 8 32] [--repeat 5] [--disable rms_norm]
 """
 
 import argparse
@@ -102,7 +102,7 @@ def versus_rows(args) -> list:
         for _ in range(args.repeat):  # interleaved, so that load on the machine hits both alike
             mine = copy.deepcopy(gm)
             forget_shown_equal()  # every rewrite validated again, as in a fresh process
-            with nf.config.patch(translation_validation=True):
+            with nf.config.patch(translation_validation=True, disabled_fusions=args.disable):
                 start = time.process_time()
                 report = PassManager()(mine)
                 ours.append(time.process_time() - start)
@@ -129,14 +129,18 @@ def main():
     parser.add_argument("--versus-pattern-matcher", action="store_true",
                         help="time the passes and inductor's pattern matcher (one RoPE pattern) on the same graph")
     parser.add_argument("--repeat", type=int, default=5, help="runs of each side (the median is kept)")
+    parser.add_argument("--disable", nargs="+", default=[], metavar="FUSION",
+                        help="with --versus-pattern-matcher: passes left out (e.g. rms_norm: only the RoPE work "
+                             "the pattern matcher does too)")
     args = parser.parse_args()
     if args.versus_pattern_matcher:
         rows = versus_rows(args)
+        without = f" except {', '.join(args.disable)}" if args.disable else ""
         path = write_results(
-            "compile_overhead_versus_pattern_matcher", rows,
+            "compile_overhead_versus_pattern_matcher" + "".join(f"_without_{name}" for name in args.disable), rows,
             "Llama-style decoder stacks (hidden 256, 4 heads, GQA 2 kv heads), the inference aten graph "
-            "AOTAutograd gives. npu_fuse_ms: all the fusion passes (canonicalization, the RoPE recognizer, "
-            "softmax/MLA passes) with translation validation on, every rewrite validated afresh; "
+            f"AOTAutograd gives. npu_fuse_ms: all the fusion passes{without} (canonicalization, the RoPE "
+            "recognizer, softmax/MLA/RMSNorm passes) with translation validation on, every rewrite validated afresh; "
             "pattern_matcher_ms: inductor's PatternMatcherPass applying one registered RoPE replacement "
             "(Llama's rotate_half form -> rotary_mul) to a copy of the same graph. CPU time of this process "
             f"(steadier than wall time on a shared machine), medians of {args.repeat} interleaved runs each. "
