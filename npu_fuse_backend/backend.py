@@ -114,16 +114,7 @@ def get_npu_backend(*, compiler_config=None, custom_decompositions: Optional[dic
         raise TypeError(f"npu_fuse.get_npu_backend: compiler_config must be a torchair CompilerConfig, "
                         f"got {type(compiler_config).__name__}")
 
-    def npu_fuse_torchair(gm: GraphModule, example_inputs, *, mode: Optional[str] = None,
-                          options: Optional[dict] = None):
-        snapshot = captured_config()
-        with config.patch(snapshot):
-            return npu.compile_with_torchair(gm, example_inputs, under_config(snapshot, run_fusion_passes),
-                                             compiler_config=compiler_config,
-                                             custom_decompositions=custom_decompositions, mode=mode, options=options)
-
-    npu_fuse_torchair.reset = reset
-    return npu_fuse_torchair
+    return _route_backend("npu_fuse_torchair", npu.compile_with_torchair, compiler_config, custom_decompositions)
 
 
 def get_npugraph_ex_backend(*, compiler_config=None, custom_decompositions: Optional[dict] = None):
@@ -144,17 +135,24 @@ def get_npugraph_ex_backend(*, compiler_config=None, custom_decompositions: Opti
         raise TypeError(f"npu_fuse.get_npugraph_ex_backend: compiler_config must be an npugraph_ex CompilerConfig, "
                         f"got {type(compiler_config).__name__}")
 
-    def npu_fuse_npugraph_ex(gm: GraphModule, example_inputs, *, mode: Optional[str] = None,
-                             options: Optional[dict] = None):
+    return _route_backend("npu_fuse_npugraph_ex", npugraph_ex.compile_with_npugraph_ex, compiler_config,
+                          custom_decompositions)
+
+
+def _route_backend(name: str, compile_with: Callable, compiler_config, custom_decompositions: Optional[dict]):
+    """A Dynamo backend lowering through one route (``compile_with``) with the user's compiler config,
+    each compile under the config captured when it starts (as ``npu_fuse_backend`` itself)."""
+
+    def backend(gm: GraphModule, example_inputs, *, mode: Optional[str] = None, options: Optional[dict] = None):
         snapshot = captured_config()
         with config.patch(snapshot):
-            return npugraph_ex.compile_with_npugraph_ex(gm, example_inputs, under_config(snapshot, run_fusion_passes),
-                                                        compiler_config=compiler_config,
-                                                        custom_decompositions=custom_decompositions, mode=mode,
-                                                        options=options)
+            return compile_with(gm, example_inputs, under_config(snapshot, run_fusion_passes),
+                                compiler_config=compiler_config, custom_decompositions=custom_decompositions,
+                                mode=mode, options=options)
 
-    npu_fuse_npugraph_ex.reset = reset
-    return npu_fuse_npugraph_ex
+    backend.__name__ = backend.__qualname__ = name
+    backend.reset = reset
+    return backend
 
 
 npu_fuse_backend.reset = reset
