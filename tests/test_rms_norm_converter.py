@@ -67,6 +67,21 @@ def test_the_residual_add_and_norm_become_add_rms_norm(soc):
     assert "Add" not in op_types(graph)  # the sum is the op's third output
 
 
+def test_an_autocast_residual_stream_becomes_a_cast_and_a_float32_add_rms_norm():
+    """float32 residual + bfloat16 projection: the addend cast up (exact), then AddRmsNorm in float32."""
+    proj, norm = torch.nn.Linear(D, D), LlamaRMSNorm(D)
+    h, x = torch.randn(2, 8, D), torch.randn(2, 8, D)
+
+    def layer(h, x):
+        h = h + proj(x)
+        return norm(h), h * h
+
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        (graph,) = converted(layer, h, x, soc="Ascend910B")
+    (op,) = ops_of(graph, "AddRmsNorm")
+    assert input_names(op) == ["x1", "x2", "gamma"] and "Add" not in op_types(graph)
+
+
 def test_training_forward_returns_rstd_and_the_backward_converts():
     norm, x = LlamaRMSNorm(D), torch.randn(2, 8, D, requires_grad=True)
     fw, bw = converted(lambda x: norm(x).pow(2).sum(), x, soc="Ascend910B")
