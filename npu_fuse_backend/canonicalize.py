@@ -60,18 +60,6 @@ def _is_noop(node: Node) -> bool:
     return False
 
 
-_CONTAINERS = (list, tuple, dict)
-
-
-def _freeze(arg):
-    kind = type(arg)
-    if kind is list or kind is tuple:
-        return tuple(_freeze(a) if type(a) in _CONTAINERS else a for a in arg)
-    if kind is dict:
-        return tuple(sorted((k, _freeze(v)) for k, v in arg.items()))
-    return arg
-
-
 def canonicalize(graph: Graph) -> int:
     """Remove no-op nodes and merge duplicate views, in place; returns how many nodes went."""
     outputs = {n for n in graph.nodes if n.op == "output" for n in n.all_input_nodes}
@@ -83,7 +71,7 @@ def canonicalize(graph: Graph) -> int:
         if _is_noop(node):
             node.replace_all_uses_with(node.args[0])
         elif id(node.target) in _DEDUPLICATED:
-            key = (id(node.target), _freeze(node.args), _freeze(node.kwargs))  # (OpOverloads hash slowly)
+            key = (id(node.target), node.args, node.kwargs)  # (FX's immutable args hash; OpOverloads hash slowly)
             try:
                 first = seen.setdefault(key, node)
             except TypeError:  # an unhashable constant argument: leave the node alone

@@ -54,16 +54,6 @@ def norm_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
-def broadcasts_to(small, big) -> bool:
-    """``small`` broadcasts to exactly ``big`` (it may not grow ``big``)."""
-    if len(small) > len(big):
-        return False
-    for s, b in zip(reversed(small), reversed(big)):
-        if not (size_eq(s, 1) or size_eq(s, b)):
-            return False
-    return True
-
-
 def slice_args(node: Node):
     """(dim, start, end, step) of an ``aten.slice.Tensor`` node, defaults filled in."""
     args = list(node.args) + [None] * (5 - len(node.args))

@@ -245,16 +245,13 @@ def _mean_of_squares(node) -> Optional[tuple]:
     return base, mean, [*nodes, mean, square]
 
 
-_FLOAT_WIDTH = {torch.float16: 16, torch.bfloat16: 16, torch.float32: 32, torch.float64: 64}
-
-
 def _widened(node, source) -> bool:
     """node is source cast only to wider float dtypes (an exact copy of its values)."""
     stripped = uncast(node)
     if stripped.node is not source or not stripped.casts:
         return False
-    widths = [_FLOAT_WIDTH.get(val(n).dtype) for n in [source, *reversed(stripped.casts)]]
-    return None not in widths and all(a < b for a, b in zip(widths, widths[1:]))
+    dtypes = [val(n).dtype for n in [source, *reversed(stripped.casts)]]
+    return all(widens(a, b) for a, b in zip(dtypes, dtypes[1:]))
 
 
 def _same_value(a: Node, b: Node) -> bool:

@@ -1006,13 +1006,6 @@ class Table:
                 return s.atom
         return None
 
-    def shape(self) -> list:
-        lead = ()
-        for f in self.factors:
-            for s in f:
-                lead = _broadcast_lead(lead, s.lead)
-        return [*lead, self.width]
-
     @property
     def dtype(self) -> torch.dtype:
         dtype = None
@@ -1053,8 +1046,7 @@ def _expand_lead(b, node: Node, lead: tuple) -> Node:
     own = tuple(shape[:-1])
     if len(own) == len(lead) and shape_eq(own, lead):
         return node
-    while val(node).dim() - 1 < len(lead):
-        node = b.call(aten.unsqueeze.default, node, 0)
+    node = b.unsqueeze_to(node, len(lead) + 1)
     sizes = []
     for have, want in zip(val(node).shape[:-1], lead):
         if size_eq(have, want):
@@ -1449,18 +1441,13 @@ def finish(b, rot: Rotation, source: Node, out: Node) -> Node:
         out = b.call(aten.permute.default, out, [*rot.lead_perm, len(rot.lead_perm)])
     shape = val(rot.anchor).shape
     if len(shape) != val(out).dim():
-        sizes = [static_int(s) if static_int(s) is not None else b.call(aten.sym_size.int, rot.anchor, i)
-                 for i, s in enumerate(shape)]
-        out = b.call(aten.view.default, out, sizes)
+        out = b.call(aten.view.default, out, _sizes(b, rot.anchor, len(shape)))
     if val(rot.anchor).is_contiguous() and not val(out).is_contiguous():  # a cat's result is contiguous
         out = b.call(aten.clone.default, out, memory_format=torch.contiguous_format)
     return out
 
 
 # -- one graph's rotations ----------------------------------------------------------------------------------
-ROLES = ("rotary_mul", "partial", "interleave")  # what each RoPE pass fuses (see Analysis.decisions)
-
-
 class Analysis:
     """Every anchor of one graph evaluated: a Rotation, a Refusal, or nothing; and which pass fuses
     (or reports) each. A Rotation inside a larger one is left to it; a Refusal is reported only where
@@ -1601,7 +1588,7 @@ class Analysis:
             for a in node.all_input_nodes:
                 stack.append((a, m or kind))
         leaves = [n for n, m in moved.items() if m and self.lane_op(n) is None and isinstance(val(n), torch.Tensor)
-                  and val(n).dim() and val(n).is_floating_point() and n.all_input_nodes + [n] and
+                  and val(n).dim() and val(n).is_floating_point() and
                   not is_call(n, *ZEROS, aten.full.default, aten.full_like.default)]
         shape = val(anchor).shape
         leaves.sort(key=lambda n: (not shape_eq(val(n).shape, shape), -self.position.get(n, 0)))
