@@ -37,7 +37,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from . import config
 from .canonicalize import canonicalize
-from .graph_utils import is_input_view, shape_eq, size_eq
+from .graph_utils import is_input_view, shape_eq, size_eq, val
 from npu_fuse_backend.lowering.registry import soc_refusal
 from .report import GraphReport, Match, NearMiss, graph_frame, involved, log_graph, new_report, publish, where
 from .soc import KNOWN_SOCS, resolve_soc
@@ -153,7 +153,7 @@ class _Emitter:
 
     def unsqueeze_to(self, node: Any, rank: int) -> Any:
         """node with leading unit dims added up to ``rank`` dims."""
-        while _fake(node).dim() < rank:
+        while val(node).dim() < rank:
             node = self.call(torch.ops.aten.unsqueeze.default, node, 0)
         return node
 
@@ -167,11 +167,7 @@ class _Emitter:
 
     def cast(self, node: Any, dtype: torch.dtype) -> Any:
         """node in dtype (node itself when it already is)."""
-        return node if _fake(node).dtype == dtype else self.call(torch.ops.aten._to_copy.default, node, dtype=dtype)
-
-
-def _fake(value: Any) -> Any:
-    return value.meta["val"] if isinstance(value, Node) else value
+        return node if val(node).dtype == dtype else self.call(torch.ops.aten._to_copy.default, node, dtype=dtype)
 
 
 # Python types an argument of these schema types arrives in when the dispatcher calls a Python kernel

@@ -112,6 +112,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
 
+from .graph_utils import describe
 
 log = logging.getLogger("npu_fuse")
 aten = torch.ops.aten
@@ -328,10 +329,6 @@ def _known(node: Node) -> bool:
         torch.sym_float, torch.sym_int, torch.sym_max, torch.sym_min, torch.sym_not, torch.sym_sum)
 
 
-def _describe(node: Node) -> str:
-    return f"{node.name} ({getattr(node.target, '__name__', node.target)})"
-
-
 # -- the validation --------------------------------------------------------------------------------
 class _Validation:
     def __init__(self, subgraph: list, outputs: dict, inserted: list, seed: int):
@@ -343,7 +340,7 @@ class _Validation:
         for node in [*self.original, *self.inserted]:  # (a mutating op runs on clones of what it writes)
             if _is_random(node) or not _known(node):
                 what = "random" if _is_random(node) else "opaque"
-                raise Unvalidatable(f"{_describe(node)} is {what}: validation never runs such an op")
+                raise Unvalidatable(f"{describe(node)} is {what}: validation never runs such an op")
         original, replacement = set(self.original), set(self.inserted)
         reads = [n for node in self.original for n in node.all_input_nodes if n not in original]
         reads += [n for node in self.inserted for n in node.all_input_nodes
@@ -1479,24 +1476,26 @@ def _difference(expected: Any, got: Any, probe: str = "uniform", exact: Any = No
         return f"has {wrong} of {expected.numel()} integer values different"
     if torch.equal(expected, got):
         return None
-    if bool(torch.isfinite(expected).all()) and bool(torch.isfinite(got).all()):
-        return _beyond_tolerance(expected, got, probe, exact, finite=True)
     e_finite, g_finite = torch.isfinite(expected), torch.isfinite(got)
-    if bool((e_finite & ~g_finite).any()):
-        count = int((e_finite & ~g_finite).sum())
-        return f"is finite at {count} of {expected.numel()} elements where the replacement is not"
+    if bool(e_finite.all()) and bool(g_finite.all()):
+        del e_finite, g_finite
+        return _beyond_tolerance(expected, got, probe, exact, finite=True)
+    lost = int((e_finite & ~g_finite).sum())
+    if lost:
+        return f"is finite at {lost} of {expected.numel()} elements where the replacement is not"
     if probe == "magnitudes":
         pass  # where eager itself overflowed, the replacement may be more precise
     elif probe == "infinities":
-        if bool((~e_finite & g_finite).any()):
-            count = int((~e_finite & g_finite).sum())
-            return f"is infinite or NaN at {count} of {expected.numel()} elements where the replacement is finite"
-    elif not (torch.equal(e_finite, g_finite) and torch.equal(expected[~e_finite].float().nan_to_num(),
-                                                              got[~e_finite].float().nan_to_num())):
-        count = int((e_finite != g_finite).sum()) or int(
-            (expected[~e_finite].float().nan_to_num() != got[~e_finite].float().nan_to_num()).sum())
-        return (f"is NaN or infinite where the replacement is not, or another infinity, at {count} of "
-                f"{expected.numel()} elements")
+        gained = int((~e_finite & g_finite).sum())
+        if gained:
+            return f"is infinite or NaN at {gained} of {expected.numel()} elements where the replacement is finite"
+    else:
+        e_special, g_special = (t[~e_finite].float().nan_to_num() for t in (expected, got))
+        if not (torch.equal(e_finite, g_finite) and torch.equal(e_special, g_special)):
+            count = int((e_finite != g_finite).sum()) or int((e_special != g_special).sum())
+            return (f"is NaN or infinite where the replacement is not, or another infinity, at {count} of "
+                    f"{expected.numel()} elements")
+        del e_special, g_special
     del e_finite, g_finite
     return _beyond_tolerance(expected, got, probe, exact)
 

@@ -55,8 +55,8 @@ from typing import Any, Optional
 import torch
 from torch.fx import Node
 
-from ..fusion import (FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, check_op_args, register_fusion,
-                      same_significant_strides)
+from ..fusion import (FakeValues, FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, check_op_args,
+                      register_fusion, same_significant_strides)
 from ..graph_utils import VIEWS, aten, describe, is_call, shape_eq, static_int, users_outside, val
 from ..matchers import DTYPE_CASTS, binary_operands, widens
 from npu_fuse_backend.lowering.ops.softmax_grad import check_softmax_grad_ext_args
@@ -616,9 +616,7 @@ class SoftmaxGradFusion(FusionPass):
             grad = val(core.grad)
             if not isinstance(scale, torch.Tensor):
                 _check_scalar_scale(x2, inverted, grad.dtype)
-            with ctx.fake_mode:
-                fake = torch.empty(1, dtype=grad.dtype, device=grad.device) if not isinstance(scale, torch.Tensor) \
-                    else _scale_operand(scale, grad.dtype)
+            fake = val(self._scale_arg(FakeValues(ctx.fake_mode), x2, inverted, grad))
             check_op_args(check_softmax_grad_ext_args, grad, val(core.x1), fake, core.dims, core.keepdim)
         operand = val(region.operand)
         if not _leading_ones_of(val(y).shape, operand.shape):
@@ -724,16 +722,17 @@ class SoftmaxGradFusion(FusionPass):
         return factor
 
     @staticmethod
-    def _scale_arg(b: GraphBuilder, x2, inverted: bool, grad: torch.Tensor) -> Node:
+    def _scale_arg(b: GraphBuilder, x2, inverted: bool, grad: torch.Tensor, widen: bool = True) -> Node:
         """x2 as softmax_grad_ext takes it: a [1] tensor of grad's dtype for a number, a one-element
-        tensor viewed as [1] (and widened to grad's dtype, which is exact) for a tensor."""
+        tensor viewed as [1] (and, with ``widen``, widened to grad's dtype, which is exact) for a tensor.
+        ``b`` a GraphBuilder, or FakeValues for the value the op is asked about at match time."""
         if not isinstance(x2, Node):
             return b.call(aten.full.default, [1], _scale_value(x2, inverted), dtype=grad.dtype, device=grad.device,
                           pin_memory=False)
         scale = x2
         if val(scale).numel() == 1 and tuple(val(scale).shape) not in ((), (1,)):
             scale = b.call(aten.view.default, scale, [1])
-        if widens(val(scale).dtype, grad.dtype):
+        if widen and widens(val(scale).dtype, grad.dtype):
             scale = b.cast(scale, grad.dtype)
         return scale
 
@@ -746,14 +745,7 @@ class SoftmaxGradFusion(FusionPass):
         dtype = val(grad).dtype
 
         def build(b: GraphBuilder) -> Node:
-            if isinstance(x2, Node):
-                scale = x2
-                if val(scale).numel() == 1 and tuple(val(scale).shape) not in ((), (1,)):
-                    scale = b.call(aten.view.default, scale, [1])
-            else:
-                scale = b.call(aten.full.default, [1], _scale_value(x2, chain.scale_inverted), dtype=dtype,
-                               device=val(grad).device,
-                               pin_memory=False)
+            scale = self._scale_arg(b, x2, chain.scale_inverted, val(grad), widen=False)
             out = b.call(SOFTMAX_GRAD_EXT, grad, x1, scale, [-1], True)
             if val(y).dim() != val(grad).dim():  # a one-element x2 of higher rank adds leading 1s
                 out = b.call(aten.view.default, out, list(val(y).shape))
@@ -777,11 +769,8 @@ class SoftmaxGradFusion(FusionPass):
             if not isinstance(chain.x2, Scalar) or isinstance(chain.x2, bool):
                 raise NotFused(f"x2 {chain.x2!r} is not a number or tensor")
             _check_scalar_scale(chain.x2, chain.scale_inverted, grad.dtype)
-        with ctx.fake_mode:  # the scale as the replacement passes it: one element as [1], a number as a tensor
-            if not isinstance(x2, torch.Tensor):
-                scale = torch.empty(1, dtype=grad.dtype, device=grad.device)
-            else:
-                scale = x2.view(1) if x2.numel() == 1 and tuple(x2.shape) not in ((), (1,)) else x2
+        # the scale as the replacement passes it: one element as [1], a number as a tensor
+        scale = val(self._scale_arg(FakeValues(ctx.fake_mode), chain.x2, chain.scale_inverted, grad, widen=False))
         check_op_args(check_softmax_grad_ext_args, grad, x1, scale, chain.dims, chain.keepdim)
         # the scale's operand: grad's shape, or through layout ops the same values laid out anew
         operand = val(chain.layout.nodes[0]) if chain.layout else grad
@@ -916,12 +905,6 @@ def _sbd_chain(sbd: Node, x2, inverted: bool = False) -> SoftmaxBackward:
     """``_softmax_backward_data(grad, x1, dim, dtype)`` (scaled by x2) as a chain."""
     grad, x1, dim = sbd.args[:3]
     return SoftmaxBackward(grad, x1, x2, [sbd], [dim], True, scale_inverted=inverted, form="softmax_backward_data")
-
-
-def _scale_operand(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The fake x2 the replacement passes for a one-element tensor scale."""
-    scale = scale.view(1) if tuple(scale.shape) not in ((), (1,)) else scale
-    return scale.to(dtype) if widens(scale.dtype, dtype) else scale
 
 
 def _unscaled_reason(ctx: PassContext, core: Node) -> str:
