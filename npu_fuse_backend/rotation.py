@@ -54,8 +54,8 @@ import torch
 from torch.fx import Graph, Node
 
 from .canonicalize import PERMUTES
-from .fusion import PassContext
-from .graph_utils import VIEWS, aten, is_call, norm_dim, shape_eq, size_eq, slice_args, slice_scatter_args, \
+from .fusion import FusionPass, NotFused, PassContext
+from .graph_utils import VIEWS, aten, describe, is_call, norm_dim, shape_eq, size_eq, slice_args, slice_scatter_args, \
     static_int, users_outside, val
 from .matchers import DTYPE_CASTS
 
@@ -1478,6 +1478,7 @@ class Analysis:
                         holders.setdefault(n, result)
         self._reported = self._outermost_refusals()
         self._decisions: dict = {}
+        self._decision_at: dict = {}  # role -> {anchor: its decision}
         self._on_demand: dict = {}
 
     # reading the graph
@@ -1813,7 +1814,14 @@ class Analysis:
         chosen += [f for f in self._reported if f.family == role]
         found = sorted(((r.anchor, r) for r in chosen), key=lambda ar: self.position.get(ar[0], 0))
         self._decisions[role] = found
+        self._decision_at[role] = dict(found)
         return found
+
+    def decision(self, role: str, anchor: Node) -> Union[Rotation, Refusal, None]:
+        """The pass with ``role``'s decision at anchor (see :meth:`decisions`), or None."""
+        if role not in self._decision_at:
+            self.decisions(role)
+        return self._decision_at[role].get(anchor)
 
     def _for_role(self, r: Rotation, role: str) -> Optional[Rotation]:
         if role == "partial":
@@ -1901,3 +1909,55 @@ def analysis(ctx: PassContext) -> Analysis:
     found = Analysis(graph, ctx.kind)
     ctx.memo[__name__] = (key, found)
     return found
+
+
+# -- what the RoPE passes share ----------------------------------------------------------------------------
+class RotationPass(FusionPass):
+    """A RoPE family's pass: its sites are the recognizer's decisions for ``role``; an op that takes
+    4-D x gets a lower-rank x lifted by ``lifts`` and its result squeezed back."""
+
+    role = ""
+    lifts = BSND_LIFT  # x's rank -> the unsqueezes that take x to the op's 4-D layout
+
+    def anchors(self, ctx: PassContext):
+        return [anchor for anchor, _ in analysis(ctx).decisions(self.role)]
+
+    def decision(self, ctx: PassContext, anchor: Node) -> Optional[Rotation]:
+        """The Rotation this pass fuses at anchor, or None; NotFused with the recognizer's reason for
+        a Refusal."""
+        found = analysis(ctx).decision(self.role, anchor)
+        if isinstance(found, Refusal):
+            raise NotFused(found.reason)
+        return found
+
+    def check_site(self, rot: Rotation, takes: str) -> None:
+        """x of a rank the op takes (``takes`` says what it takes), not empty; no intermediate read
+        outside the subgraph."""
+        x, xv = rot.x, val(rot.x)
+        if xv.dim() not in self.lifts:
+            raise NotFused(f"x {x.name} is {xv.dim()}-D; {takes}")
+        if size_eq(xv.numel(), 0):
+            raise NotFused(f"x {x.name} of shape {list(xv.shape)} is empty; nothing to fuse")
+        leaked = users_outside(rot.nodes, [rot.anchor])
+        if leaked is not None:
+            raise NotFused(f"intermediate {describe(leaked)} is used outside the subgraph")
+
+    def op_inputs(self, b, rot: Rotation) -> tuple:
+        """(source, x, table1, table2) for the op: source is x rounded as eager rounds it first; x its
+        rotated lanes, and the tables rebuilt, each in the op's dtype and lifted."""
+        x_rank = val(rot.x).dim()
+        lift = self.lifts[x_rank]
+        source = rot.x
+        for dtype in rot.x_rounds:  # eager rounds x first (a cast before the rotation)
+            source = b.cast(source, dtype)
+        piece = source if (rot.start, rot.end) == (0, rot.head_dim) else \
+            b.call(aten.slice.Tensor, source, -1, rot.start, rot.end)
+        xx = b.lifted(b.cast(piece, rot.op_dtype), x_rank, lift)
+        t1, t2 = (b.lifted(b.cast(t.build(b), rot.op_dtype), x_rank, lift) for t in rot.tables)
+        return source, xx, t1, t2
+
+    def unlifted(self, b, rot: Rotation, out: Node) -> Node:
+        """The op's 4-D result back in x's rank."""
+        for dim in reversed(self.lifts[val(rot.x).dim()]):
+            out = b.call(aten.squeeze.dim, out, dim)
+        return out

@@ -27,62 +27,32 @@ import torch
 from torch.fx import Node
 
 from .. import rotation
-from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
-from ..graph_utils import aten, describe, size_eq, users_outside, val
+from ..fusion import GraphBuilder, PassContext, Rewrite, register_fusion
 
 # Unsqueezes that take x to (B, N, S, D): [T, N, D] -> [T, N, 1, D]; [T, D] -> [T, 1, 1, D].
 LIFT = {4: (), 3: (2,), 2: (1, 2)}
 
 
 @register_fusion
-class InterleaveRopeFusion(FusionPass):
+class InterleaveRopeFusion(rotation.RotationPass):
     """DeepSeek's interleaved-pairs RoPE (every written form, forward and backward) -> one op."""
 
     name = "interleave_rope"
     role = "interleave"
-
-    def anchors(self, ctx: PassContext):
-        return [anchor for anchor, _ in rotation.analysis(ctx).decisions(self.role)]
+    lifts = LIFT
 
     def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
-        found = dict(rotation.analysis(ctx).decisions(self.role)).get(anchor)
-        if found is None:
+        rot = self.decision(ctx, anchor)
+        if rot is None:
             return None
-        if isinstance(found, rotation.Refusal):
-            raise NotFused(found.reason)
-        rot = found
-        x = rot.x
-        self._check(rot)
-        x_rank = val(x).dim()
-        lift = LIFT[x_rank]
+        self.check_site(rot, "interleave_rope takes 4-D (B, N, S, D) x (2-D [T, D] and 3-D [T, N, D] are lifted)")
 
         def build(b: GraphBuilder) -> Node:
-            source = x
-            for dtype in rot.x_rounds:
-                source = b.cast(source, dtype)
-            piece = source if (rot.start, rot.end) == (0, rot.head_dim) else \
-                b.call(aten.slice.Tensor, source, -1, rot.start, rot.end)
-            xx = b.lifted(b.cast(piece, rot.op_dtype), x_rank, lift)
-            cos, sin = (b.lifted(b.cast(t.build(b), rot.op_dtype), x_rank, lift) for t in rot.tables)
+            source, xx, cos, sin = self.op_inputs(b, rot)
             op = torch.ops.npu_fuse.interleave_rope_backward if rot.backward else torch.ops.npu_fuse.interleave_rope
             out = b.call(op.default, xx, cos, sin)
-            for dim in reversed(lift):
-                out = b.call(aten.squeeze.dim, out, dim)
-            return rotation.finish(b, rot, source, b.cast(out, rot.out_dtype))
+            return rotation.finish(b, rot, source, b.cast(self.unlifted(b, rot, out), rot.out_dtype))
 
         op = "interleave_rope_backward" if rot.backward else "interleave_rope"
         detail = "halves-to-pairs adjoint" if rot.backward else "pairs-to-half"
         return Rewrite(anchor, rot.nodes, op, build, detail=detail)
-
-    @staticmethod
-    def _check(rot: rotation.Rotation) -> None:
-        x, anchor = rot.x, rot.anchor
-        xv = val(x)
-        if xv.dim() not in LIFT:
-            raise NotFused(f"x {x.name} is {xv.dim()}-D; interleave_rope takes 4-D (B, N, S, D) x "
-                           "(2-D [T, D] and 3-D [T, N, D] are lifted)")
-        if size_eq(xv.numel(), 0):
-            raise NotFused(f"x {x.name} of shape {list(xv.shape)} is empty; nothing to fuse")
-        leaked = users_outside(rot.nodes, [anchor])
-        if leaked is not None:
-            raise NotFused(f"intermediate {describe(leaked)} is used outside the subgraph")

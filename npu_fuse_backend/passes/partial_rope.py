@@ -35,32 +35,29 @@ import torch
 from torch.fx import Node
 
 from .. import rotation
-from ..fusion import FakeValues, FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, check_op_args, \
+from ..fusion import FakeValues, GraphBuilder, NotFused, PassContext, Rewrite, check_op_args, \
     register_fusion
 from ..graph_utils import aten, describe, users_outside, val
 from npu_fuse_backend.lowering.ops.partial_rope import check_inplace_partial_rotary_mul_args
 
 
 @register_fusion
-class PartialRopeFusion(FusionPass):
+class PartialRopeFusion(rotation.RotationPass):
     """Interleave RoPE on part of the head dim, kept or written back -> one in-place op."""
 
     name = "partial_rope"
     op = "inplace_partial_rotary_mul"
     role = "partial"
 
-    def anchors(self, ctx: PassContext):
-        return [anchor for anchor, _ in rotation.analysis(ctx).decisions(self.role)]
-
     def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
         analysis = rotation.analysis(ctx)
-        found = dict(analysis.decisions(self.role)).get(anchor)
+        found = analysis.decision(self.role, anchor)
         if not isinstance(found, rotation.Rotation):
             return None
         try:
             self._check(ctx, found)
         except NotFused:
-            if isinstance(dict(analysis.decisions("rotary_mul")).get(anchor), rotation.Rotation):
+            if isinstance(analysis.decision("rotary_mul", anchor), rotation.Rotation):
                 return None  # the full-RoPE pass fuses this very subgraph: nothing to report
             raise
 
@@ -70,10 +67,7 @@ class PartialRopeFusion(FusionPass):
                              torch.ops.npu_fuse.inplace_partial_rotary_mul.default, r1=r1, r2=r2,
                              rotary_mode="interleave", partial_slice=[found.start, found.end], _x_base_index=0,
                              _all_bases=[xx])
-            out = b.call(operator.getitem, mutated, 1)
-            for dim in reversed(rotation.BSND_LIFT[val(found.x).dim()]):
-                out = b.call(aten.squeeze.dim, out, dim)
-            return out
+            return self.unlifted(b, found, b.call(operator.getitem, mutated, 1))
 
         return Rewrite(anchor, found.nodes, self.op, build, detail=f"slice=[{found.start}, {found.end}]")
 

@@ -29,65 +29,33 @@ import torch
 from torch.fx import Node
 
 from .. import rotation
-from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
-from ..graph_utils import aten, describe, size_eq, users_outside, val
+from ..fusion import GraphBuilder, PassContext, Rewrite, register_fusion
 
 
 @register_fusion
-class RopeFusion(FusionPass):
+class RopeFusion(rotation.RotationPass):
     """Full-width (or sliced) RoPE, half or interleave, forward or backward -> one rotary_mul."""
 
     name = "rope"
     op = "rotary_mul"
     role = "rotary_mul"
 
-    def anchors(self, ctx: PassContext):
-        return [anchor for anchor, _ in rotation.analysis(ctx).decisions(self.role)]
-
     def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
-        found = dict(rotation.analysis(ctx).decisions(self.role)).get(anchor)
-        if found is None:
+        rot = self.decision(ctx, anchor)
+        if rot is None:
             return None
-        if isinstance(found, rotation.Refusal):
-            raise NotFused(found.reason)
-        return self._rewrite(found)
-
-    def _rewrite(self, rot: rotation.Rotation) -> Rewrite:
-        anchor, x = rot.anchor, rot.x
-        self._check(anchor, x, rot.nodes)
-        x_rank = val(x).dim()
-        lift = rotation.BSND_LIFT[x_rank]
+        self.check_site(rot, "rotary_mul takes 4-D BSND/BNSD x (3-D [T, N, D] and 2-D [T, D] are lifted)")
 
         def build(b: GraphBuilder) -> Node:
-            source = x
-            for dtype in rot.x_rounds:  # eager rounds x first (a cast before the rotation)
-                source = b.cast(source, dtype)
-            piece = source if (rot.start, rot.end) == (0, rot.head_dim) else \
-                b.call(aten.slice.Tensor, source, -1, rot.start, rot.end)
-            xx = b.lifted(b.cast(piece, rot.op_dtype), x_rank, lift)
-            r1, r2 = (b.lifted(b.cast(t.build(b), rot.op_dtype), x_rank, lift) for t in rot.tables)
+            source, xx, r1, r2 = self.op_inputs(b, rot)
             if rot.backward:
                 grads = b.call(torch.ops.npu_fuse.rotary_mul_backward.default, xx, None, r1, r2, rot.mode, False)
                 out = b.call(operator.getitem, grads, 0)
             else:
                 out = b.call(torch.ops.npu_fuse.rotary_mul.default, xx, r1, r2, rot.mode)
-            for dim in reversed(lift):
-                out = b.call(aten.squeeze.dim, out, dim)
-            return rotation.finish(b, rot, source, b.cast(out, rot.out_dtype))
+            return rotation.finish(b, rot, source, b.cast(self.unlifted(b, rot, out), rot.out_dtype))
 
         op = "rotary_mul_backward" if rot.backward else self.op
         detail = f"mode={rot.mode}" + (", complex form" if rot.complex_form else "") + \
-            ("" if (rot.start, rot.end) == (0, rot.head_dim) else f", lanes [{rot.start}:{rot.end}] of {x.name}")
+            ("" if (rot.start, rot.end) == (0, rot.head_dim) else f", lanes [{rot.start}:{rot.end}] of {rot.x.name}")
         return Rewrite(anchor, rot.nodes, op, build, detail=detail)
-
-    @staticmethod
-    def _check(anchor: Node, x: Node, nodes: list) -> None:
-        xv = val(x)
-        if xv.dim() not in rotation.BSND_LIFT:
-            raise NotFused(f"x {x.name} is {xv.dim()}-D; rotary_mul takes 4-D BSND/BNSD x "
-                           "(3-D [T, N, D] and 2-D [T, D] are lifted)")
-        if size_eq(xv.numel(), 0):
-            raise NotFused(f"x {x.name} of shape {list(xv.shape)} is empty; nothing to fuse")
-        leaked = users_outside(nodes, [anchor])
-        if leaked is not None:
-            raise NotFused(f"intermediate {describe(leaked)} is used outside the subgraph")
