@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from . import __version__
+from .graph_utils import dtype_name
 from .timing import interleaved_latency
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -70,12 +71,8 @@ def _row(cells, widths, out) -> None:
     print("  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip(), file=out, flush=True)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 def _case_name(case, dtype: torch.dtype) -> str:
-    return case.name + ("" if (case.dtype or dtype) == dtype else f" ({_dtype_name(case.dtype)})")
+    return case.name + ("" if (case.dtype or dtype) == dtype else f" ({dtype_name(case.dtype)})")
 
 
 def progress(message: str, err=None) -> None:
@@ -93,7 +90,7 @@ def run_demo(dtype: torch.dtype, repeat: int, layers: int, seq: int, rounds: int
     baseline = config.fallback  # the same lowering without our passes
     cases = demo_cases(layers=layers, seq=seq, training=True)
     widths = (max(WIDTHS[0], *(len(_case_name(c, dtype)) for c in cases)), *WIDTHS[1:])
-    print(f"npu_fuse demo ({_dtype_name(dtype)}, CPU tensors: lowering = fallback {baseline}, "
+    print(f"npu_fuse demo ({dtype_name(dtype)}, CPU tensors: lowering = fallback {baseline}, "
           f"torch {torch.__version__}; latency: median ±IQR/2 over {rounds} interleaved rounds of {repeat})",
           file=out, flush=True)
     _row(["model", "fused ops", "near-misses", "max |diff|", "verdict", "eager ms", f"{baseline} ms", "npu_fuse ms"],

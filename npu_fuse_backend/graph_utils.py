@@ -21,6 +21,11 @@ def val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, Node) else node
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``bfloat16`` for torch.bfloat16, as messages name dtypes."""
+    return str(dtype).removeprefix("torch.")
+
+
 def is_call(node: Any, *targets) -> bool:
     return isinstance(node, Node) and node.op == "call_function" and node.target in targets
 

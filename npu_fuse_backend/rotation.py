@@ -55,8 +55,8 @@ from torch.fx import Graph, Node
 
 from .canonicalize import PERMUTES
 from .fusion import FusionPass, NotFused, PassContext
-from .graph_utils import VIEWS, aten, describe, is_call, norm_dim, shape_eq, size_eq, slice_args, slice_scatter_args, \
-    static_int, users_outside, val
+from .graph_utils import VIEWS, aten, describe, dtype_name, is_call, norm_dim, shape_eq, size_eq, slice_args, \
+    slice_scatter_args, static_int, users_outside, val
 from .matchers import DTYPE_CASTS
 
 SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
@@ -90,10 +90,6 @@ def covers(finer: torch.dtype, coarser: torch.dtype) -> bool:
         return False
     fi, ci = torch.finfo(finer), torch.finfo(coarser)
     return fi.eps <= ci.eps and fi.max >= ci.max and fi.tiny <= ci.tiny
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 # -- lane values ----------------------------------------------------------------------------------------
@@ -1339,8 +1335,8 @@ def classify(interp: _Interpretation, anchor: Node, value: Any, kind: str) -> Un
                           f"rounded to {_rounds_text(x_rounds)}")
     for dtype, node in sorted(value.rounds, key=lambda r: interp.analysis.position.get(r[1], 0)):
         if not covers(dtype, out_dtype):
-            return refuse(f"{node.name} rounds to {_name(dtype)} in the middle of the computation and the result is "
-                          f"{_name(out_dtype)}: the fused op rounds once, at the end", family)
+            return refuse(f"{node.name} rounds to {dtype_name(dtype)} in the middle of the computation and the result is "
+                          f"{dtype_name(out_dtype)}: the fused op rounds once, at the end", family)
     # tables
     rho = _rho(form, w)
     if form == HALF_TO_PAIRS:
@@ -1390,7 +1386,7 @@ def _signed(term) -> str:
 
 
 def _rounds_text(rounds: tuple) -> str:
-    return " then ".join(map(_name, rounds)) if rounds else "nothing"
+    return " then ".join(map(dtype_name, rounds)) if rounds else "nothing"
 
 
 def _table_fits(table: Table, name: str, x: Node, piece: str, w: int) -> Optional[str]:
@@ -1462,6 +1458,7 @@ class Analysis:
         self._templates: dict = {}  # signature -> a result with nodes as indices (see _signature)
         self._descriptions: dict = {}
         self._distances: dict = {}
+        self._leaves_of: dict = {}  # anchor -> _leaves(anchor) (a signature and an evaluation both read it)
         self.results: dict = {}  # anchor -> Rotation | Refusal
         self._deferred: set = set()  # anchors inside a rotary_mul Rotation: no pass would take them
         holders: dict = {}
@@ -1573,6 +1570,11 @@ class Analysis:
     def _leaves(self, anchor: Node) -> tuple:
         """(x candidates, whether the walk looks like a RoPE): the non-lane-op nodes reached from the
         anchor through lane ops with a lane move on the way, shapes like the anchor's first."""
+        if anchor not in self._leaves_of:
+            self._leaves_of[anchor] = self._walk_to_leaves(anchor)
+        return self._leaves_of[anchor]
+
+    def _walk_to_leaves(self, anchor: Node) -> tuple:
         moved, stack, muls, cuts = {}, [(anchor, False)], 0, 0
         while stack and len(moved) < 4 * MAX_REGION:
             node, m = stack.pop()

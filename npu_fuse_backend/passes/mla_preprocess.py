@@ -42,7 +42,7 @@ from torch.fx import Node
 from .. import rotation
 from ..fusion import FakeValues, FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, check_op_args, \
     register_fusion
-from ..graph_utils import VIEWS, aten, is_call, rank, shape_eq, static_int, users_outside, val
+from ..graph_utils import VIEWS, aten, dtype_name, is_call, rank, shape_eq, static_int, users_outside, val
 from npu_fuse_backend.lowering.ops import mla_preprocess as mla
 from ..matchers import RmsNorm, Stripped, binary_operands, last_dim_piece, match_rms_norm, uncast
 
@@ -279,10 +279,6 @@ def _piece_of(node, size: int):
     return piece
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 @register_fusion
 class MlaPreprocessFusion(FusionPass):
     """DeepSeek MLA prologue (projections, norms, RoPE, absorption, cache write) -> one op."""
@@ -385,7 +381,7 @@ class MlaPreprocessFusion(FusionPass):
         def build(b: GraphBuilder) -> dict:
             return _build(b, prologue, q_out, cache_write.new_cache)
 
-        detail = ("w8a8" if quantized else _dtype_name(val(x).dtype)) + \
+        detail = ("w8a8" if quantized else dtype_name(val(x).dtype)) + \
             (", interleaved rope" if permuted else "") + \
             (", [in, out] weights" if qkv_lin.in_out or q_lin.in_out else "")
         return Rewrite(anchor, list(dict.fromkeys([*nodes, *others])), self.op, build, detail=detail)

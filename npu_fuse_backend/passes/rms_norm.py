@@ -41,7 +41,7 @@ import torch
 from torch.fx import Node
 
 from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
-from ..graph_utils import aten, describe, shape_eq, size_eq, static_int, users_outside, val
+from ..graph_utils import aten, describe, dtype_name, shape_eq, size_eq, static_int, users_outside, val
 from ..matchers import RmsCore, binary_operands, match_rms_core, uncast, widens
 from npu_fuse_backend.lowering.common import FLOAT_DTYPES, HALF_DTYPES
 
@@ -194,7 +194,7 @@ class RmsNormFusion(FusionPass):
                 replaced[recomputed] = b.call(recomputed.target, *recomputed.args, **recomputed.kwargs)
             return replaced
 
-        detail = ("from " + str(val(source).dtype).removeprefix("torch.") +
+        detail = ("from " + dtype_name(val(source).dtype) +
                   (", weight" if chain.weight is not None else ", no weight") +
                   (", rstd for the backward" if core.rstd in outputs else ""))
         return Rewrite(anchor, [node for node in subgraph if node is not anchor], op, build, detail=detail)

@@ -57,7 +57,7 @@ from torch.fx import Node
 
 from ..fusion import (FakeValues, FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, check_op_args,
                       register_fusion, same_significant_strides)
-from ..graph_utils import VIEWS, aten, describe, is_call, shape_eq, static_int, users_outside, val
+from ..graph_utils import VIEWS, aten, describe, dtype_name, is_call, shape_eq, static_int, users_outside, val
 from ..matchers import DTYPE_CASTS, binary_operands, widens
 from npu_fuse_backend.lowering.ops.softmax_grad import check_softmax_grad_ext_args
 
@@ -204,10 +204,6 @@ def _numel(node) -> Optional[int]:
     """The static element count of node's value (None when symbolic)."""
     sizes = [static_int(s) for s in val(node).shape]
     return None if None in sizes else math.prod(sizes)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 @dataclasses.dataclass
@@ -695,11 +691,11 @@ class SoftmaxGradFusion(FusionPass):
             eps, rounding = coarsest(value)
             dtype = val(output).dtype
             if torch.finfo(dtype).eps < eps:
-                narrow = _dtype_name(val(rounding).dtype)
+                narrow = dtype_name(val(rounding).dtype)
                 raise NotFused(f"{describe(rounding)} rounds the softmax backward to {narrow} before "
-                               f"{describe(output)} computes in {_dtype_name(dtype)}: eager rounds before the "
+                               f"{describe(output)} computes in {dtype_name(dtype)}: eager rounds before the "
                                f"scale, softmax_grad_ext once after it, and the difference exceeds "
-                               f"{_dtype_name(dtype)}'s tolerance")
+                               f"{dtype_name(dtype)}'s tolerance")
 
     @staticmethod
     def _check_exits(region: Region, y: Node, x2, inverted: bool) -> Optional[float]:
