@@ -21,6 +21,11 @@ def val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, Node) else node
 
 
+def call_arg(node: Node, position: int, name: str, default: Any = None) -> Any:
+    """A call's argument, given by position or by keyword."""
+    return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``bfloat16`` for torch.bfloat16, as messages name dtypes."""
     return str(dtype).removeprefix("torch.")

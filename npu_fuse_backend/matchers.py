@@ -24,7 +24,7 @@ import torch
 from torch.fx import Node
 
 from .fusion import NotFused
-from .graph_utils import INT_MAX, aten, is_call, norm_dim, rank, slice_args, static_int, val
+from .graph_utils import INT_MAX, aten, call_arg, is_call, norm_dim, rank, slice_args, static_int, val
 
 # the ops that change only a tensor's dtype (what ``uncast`` looks through)
 DTYPE_CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
@@ -74,10 +74,6 @@ def uncast(node) -> Stripped:
     return Stripped(node, casts)
 
 
-def _dim_arg(node: Node, position: int, default: int = 0) -> Any:
-    return node.args[position] if len(node.args) > position else node.kwargs.get("dim", default)
-
-
 def _is_last_dim(dim, node: Node) -> bool:
     ndim = rank(node)
     return ndim is not None and isinstance(dim, int) and norm_dim(dim, ndim) == ndim - 1
@@ -109,7 +105,7 @@ def last_dim_piece(node) -> Optional[Piece]:
         split, index = node.args
         src = split.args[0]
         size = static_int(val(src).shape[-1]) if rank(src) else None
-        if not _is_last_dim(_dim_arg(split, 2), src) or size is None:
+        if not _is_last_dim(call_arg(split, 2, "dim", 0), src) or size is None:
             return None
         if split.target == aten.split.Tensor:
             chunk = static_int(split.args[1])
@@ -202,8 +198,7 @@ def _sqrt_of(node) -> Optional[tuple]:
 
 
 def _reduce_args(node: Node) -> tuple:
-    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    dims, keepdim = call_arg(node, 1, "dim"), call_arg(node, 2, "keepdim", False)
     return list(dims) if dims is not None else None, keepdim
 
 

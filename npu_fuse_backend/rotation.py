@@ -55,8 +55,8 @@ from torch.fx import Graph, Node
 
 from .canonicalize import PERMUTES
 from .fusion import FusionPass, NotFused, PassContext
-from .graph_utils import VIEWS, aten, describe, dtype_name, is_call, norm_dim, shape_eq, size_eq, slice_args, \
-    slice_scatter_args, static_int, users_outside, val
+from .graph_utils import VIEWS, aten, call_arg, describe, dtype_name, is_call, norm_dim, shape_eq, size_eq, \
+    slice_args, slice_scatter_args, static_int, users_outside, val
 from .matchers import DTYPE_CASTS
 
 SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
@@ -188,10 +188,6 @@ def _fkey(factor) -> tuple:
 
 
 # -- which ops move or keep lanes (a cheap, shape-only look at a node) -----------------------------------
-def _arg(node: Node, i: int, name: str, default=None):
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
-
-
 def _is_pairs_view(src_shape, out_shape) -> bool:
     """out splits src's last dim in (L/2, 2) or (2, L/2), or merges such two last dims into one."""
     if len(out_shape) == len(src_shape) + 1:
@@ -240,7 +236,7 @@ def _rule_cat(node: Node) -> Optional[bool]:
     if not tensors or not isinstance(tensors[0], Node) or not isinstance(val(tensors[0]), torch.Tensor):
         return None
     extra = 1 if node.target is aten.stack.default else 0
-    return True if _lane_dim(node, _arg(node, 1, "dim", 0), val(tensors[0]).dim() + extra, 1 + extra) else None
+    return True if _lane_dim(node, call_arg(node, 1, "dim", 0), val(tensors[0]).dim() + extra, 1 + extra) else None
 
 
 def _rule_getitem(node: Node) -> Optional[bool]:
@@ -308,7 +304,7 @@ _LANE_RULES = {id(t): rule for t, rule in _LANE_RULES_BY_TARGET.items()}
 
 def _split_on_lanes(split: Node) -> bool:
     src = split.args[0]
-    dim = _arg(split, 2 if split.target is not aten.unbind.int else 1, "dim", 0)
+    dim = call_arg(split, 2 if split.target is not aten.unbind.int else 1, "dim", 0)
     return isinstance(src, Node) and _lane_dim(split, dim, val(src).dim(), 2 if split.target is aten.unbind.int else 1)
 
 
@@ -723,12 +719,12 @@ def _getitem(self: _Interpretation, node: Node) -> Any:
         raise _Opaque("getitem of a non-split")
     src = split.args[0]
     if split.target is aten.unbind.int:
-        dim = _arg(split, 1, "dim", 0)
+        dim = call_arg(split, 1, "dim", 0)
         size = static_int(val(src).shape[norm_dim(dim, val(src).dim())])
         if size is None:
             raise _Opaque(self._symbolic(src))
         return _select_lanes(self, node, src, dim, [index % size], True, (split,))
-    dim = _arg(split, 2, "dim", 0)
+    dim = call_arg(split, 2, "dim", 0)
     size = static_int(val(src).shape[norm_dim(dim, val(src).dim())])
     if size is None:
         raise _Opaque(self._symbolic(src))
@@ -749,7 +745,7 @@ def _getitem(self: _Interpretation, node: Node) -> Any:
 def _cat(self: _Interpretation, node: Node, stack: bool = False) -> Any:
     """cat along a lane dim; stack: a new lane dim (each part unsqueezed there)."""
     nd = val(node).dim()
-    dim = norm_dim(_arg(node, 1, "dim", 0), nd)
+    dim = norm_dim(call_arg(node, 1, "dim", 0), nd)
     parts = []
     for t in node.args[0]:
         src = _lanes_of(self, t)

@@ -57,7 +57,7 @@ from torch.fx import Node
 
 from ..fusion import (FakeValues, FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, check_op_args,
                       register_fusion, same_significant_strides)
-from ..graph_utils import VIEWS, aten, describe, dtype_name, is_call, shape_eq, static_int, users_outside, val
+from ..graph_utils import VIEWS, aten, call_arg, describe, dtype_name, is_call, shape_eq, static_int, users_outside, val
 from ..matchers import DTYPE_CASTS, binary_operands, widens
 from npu_fuse_backend.lowering.ops.softmax_grad import check_softmax_grad_ext_args
 
@@ -94,8 +94,7 @@ def sum_of_product(node) -> Optional[ReducedProduct]:
     product = node.args[0]
     if binary_operands(product, aten.mul.Tensor) is None or not all(isinstance(a, Node) for a in product.args):
         return None
-    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    dims, keepdim = call_arg(node, 1, "dim"), call_arg(node, 2, "keepdim", False)
     return ReducedProduct(product, list(dims or []), keepdim)
 
 
