@@ -26,8 +26,12 @@ from torch.fx import Node
 from .fusion import NotFused
 from .graph_utils import INT_MAX, aten, call_arg, is_call, norm_dim, rank, slice_args, static_int, val
 
-# the ops that change only a tensor's dtype (what ``uncast`` looks through)
+# the ops that change only a tensor's dtype (what ``uncast`` looks through), and the keywords such a
+# call may carry and still be just a cast
 DTYPE_CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+CAST_KWARGS = frozenset({"dtype", "layout", "device", "memory_format"})
+# the factories of a tensor of zeros
+ZERO_FILLS = (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default)
 
 
 def widens(source: torch.dtype, target: torch.dtype) -> bool:

@@ -57,11 +57,10 @@ from .canonicalize import PERMUTES
 from .fusion import FusionPass, NotFused, PassContext
 from .graph_utils import VIEWS, aten, call_arg, describe, dtype_name, is_call, norm_dim, shape_eq, size_eq, \
     slice_args, slice_scatter_args, static_int, users_outside, val
-from .matchers import DTYPE_CASTS
+from .matchers import CAST_KWARGS, DTYPE_CASTS, ZERO_FILLS
 
 SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
 SAME = (aten.clone.default, aten.alias.default, aten.resolve_conj.default, aten.lift_fresh_copy.default)
-ZEROS = (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default)
 ANCHORS = (aten.add.Tensor, aten.sub.Tensor, aten.cat.default, aten.stack.default, aten.view_as_real.default,
            aten.slice_scatter.default, aten.select_scatter.default, *VIEWS)
 
@@ -228,7 +227,7 @@ def _rule_arith(node: Node) -> Optional[bool]:
 
 
 def _rule_cast(node: Node) -> Optional[bool]:
-    return False if set(node.kwargs) <= {"dtype", "layout", "device", "memory_format"} else None
+    return False if set(node.kwargs) <= CAST_KWARGS else None
 
 
 def _rule_cat(node: Node) -> Optional[bool]:
@@ -375,7 +374,7 @@ class _Interpretation:
             if k != 1 or cplx:
                 raise _Opaque(f"{node.name} is read across its last dim")
             return tuple(((1, j, (), ()),) for j in range(n))
-        if is_call(node, *ZEROS) or (is_call(node, aten.full.default) and node.args[1] == 0) or \
+        if is_call(node, *ZERO_FILLS) or (is_call(node, aten.full.default) and node.args[1] == 0) or \
                 (is_call(node, aten.full_like.default) and node.args[1] == 0):
             return ((),) * (2 * n if cplx else n)
         if cplx:
@@ -554,7 +553,7 @@ def _same(self: _Interpretation, node: Node) -> Any:
 
 
 def _cast(self: _Interpretation, node: Node) -> Any:
-    if set(node.kwargs) - {"dtype", "layout", "device", "memory_format"}:
+    if set(node.kwargs) - CAST_KWARGS:
         raise _Opaque("a cast with options")
     if val(node).is_complex() != val(node.args[0]).is_complex():
         raise _Opaque("casts between real and complex")
@@ -1588,7 +1587,7 @@ class Analysis:
                 stack.append((a, m or kind))
         leaves = [n for n, m in moved.items() if m and self.lane_op(n) is None and isinstance(val(n), torch.Tensor)
                   and val(n).dim() and val(n).is_floating_point() and
-                  not is_call(n, *ZEROS, aten.full.default, aten.full_like.default)]
+                  not is_call(n, *ZERO_FILLS, aten.full.default, aten.full_like.default)]
         shape = val(anchor).shape
         leaves.sort(key=lambda n: (not shape_eq(val(n).shape, shape), -self.position.get(n, 0)))
         return leaves, muls >= 2 and cuts >= 1
@@ -1656,7 +1655,7 @@ class Analysis:
             else:
                 meta = type(v).__name__
             if leaf:
-                zeros = node.target if is_call(node, *ZEROS, aten.full.default, aten.full_like.default) else None
+                zeros = node.target if is_call(node, *ZERO_FILLS, aten.full.default, aten.full_like.default) else None
                 found = ("leaf", meta, zeros, node.args[1] if zeros in (aten.full.default, aten.full_like.default)
                          else None), ()
             else:

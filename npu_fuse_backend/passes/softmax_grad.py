@@ -58,7 +58,7 @@ from torch.fx import Node
 from ..fusion import (FakeValues, FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, check_op_args,
                       register_fusion, same_significant_strides)
 from ..graph_utils import VIEWS, aten, call_arg, describe, dtype_name, is_call, shape_eq, static_int, users_outside, val
-from ..matchers import DTYPE_CASTS, binary_operands, widens
+from ..matchers import CAST_KWARGS, DTYPE_CASTS, ZERO_FILLS, binary_operands, widens
 from npu_fuse_backend.lowering.ops.softmax_grad import check_softmax_grad_ext_args
 
 Scalar = (int, float)
@@ -249,8 +249,6 @@ UNARY_LINEAR = (*VIEWS, aten.clone.default, aten.slice.Tensor, aten.select.int, 
                 aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
                 aten.squeeze.dims, aten.alias.default, aten.expand.default, aten.neg.default, aten.sum.dim_IntList,
                 aten.slice_backward.default, aten.select_backward.default)
-CAST_KWARGS = {"dtype", "layout", "device", "memory_format"}
-ZERO_FILLS = (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default)
 ZERO_FILLS_WITH_VALUE = {aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2}
 REGION_LIMIT = 32  # nodes a region walk visits before it gives up (keeps matching linear in graph size)
 
@@ -798,11 +796,11 @@ class SoftmaxGradFusion(FusionPass):
     # -- no silent site -------------------------------------------------------------------------
     def _silent_site(self, ctx: PassContext, node: Node) -> None:
         """A softmax backward that no scale anchor took: a near-miss saying where its result goes."""
+        covered = getattr(self, "_covered", None)
+        if covered is not None and covered[0] is ctx and node in covered[1]:  # (before the costlier match)
+            return None
         core = self._site(node)
         if core is None:
-            return None
-        covered = getattr(self, "_covered", None)
-        if covered is not None and covered[0] is ctx and node in covered[1]:
             return None
         raise NotFused(_unscaled_reason(ctx, core))
 
