@@ -233,7 +233,7 @@ def test_an_op_rejecting_what_a_pass_built_is_a_near_miss_with_the_ops_rule(monk
     """A fused op's argument check failing on the call a rewrite builds refuses that rewrite."""
     from npu_fuse_backend.passes import rope
 
-    monkeypatch.setattr(rope.RopeFusion, "_check", staticmethod(lambda *args: None))
+    monkeypatch.setattr(rope.RopeFusion, "check_site", lambda *args: None)
     args = [torch.randn(shape, dtype=torch.float64) for shape in ((2, 5, 3, 8), (1, 5, 1, 8), (1, 5, 1, 8))]
     out, reports = compile_fused(_rope, *args, strict=True)
     assert fused_ops(reports) == []
