@@ -8,7 +8,9 @@ alternating order, ``--repeat`` pairs), so that both see a cold compile in a pro
 - ``validation_s``: the time spent inside the validator (``check_rewrite``), and its share of the
   compile with validation on (the budget: at most 2 %);
 - ``validation_peak_extra_mb``: the most resident memory the validator added over what the process
-  held when it started, sampled every 0.5 ms from ``/proc/self/statm`` while it runs (budget: 64 MB);
+  held when it started, sampled every 0.5 ms from ``/proc/self/statm`` while it runs (budget: 64 MB),
+  in a third process: the sampling thread takes the interpreter's lock, which slows what it watches,
+  so the times come from processes that do not sample;
 - ``process_peak_mb``: the process's peak resident memory (``ru_maxrss``), side by side.
 
 Cases: a 2048-token softmax training step (softmax backward on [1, 4, 2048, 2048] fp32), one
@@ -20,6 +22,7 @@ Run (heavy; prefix ``nice``): python benchmarks/translation_validation.py [--fal
 """
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -71,8 +74,9 @@ class PeakSampler:
         self._running.clear()
 
 
-def child(case: str, validation: bool, fallback: str) -> dict:
-    """One cold compile (and run) of ``case`` in this process."""
+def child(case: str, validation: bool, fallback: str, sample_memory: bool) -> dict:
+    """One cold compile (and run) of ``case`` in this process (``sample_memory``: the validator's
+    peak extra memory sampled, which slows it)."""
     import torch
     from torch._dynamo.utils import counters
 
@@ -81,13 +85,13 @@ def child(case: str, validation: bool, fallback: str) -> dict:
     from npu_fuse_backend.demo_models import DecoderConfig, DeepSeekMLA, LlamaModel, MLAConfig, mla_decode_inputs
 
     inside = {"s": 0.0, "calls": 0}
-    sampler = PeakSampler()
+    sampler = PeakSampler() if sample_memory else None
     check = fusion.check_rewrite
 
     def timed(*args, **kwargs):
         start = time.perf_counter()
         try:
-            with sampler:
+            with sampler if sample_memory else contextlib.nullcontext():
                 return check(*args, **kwargs)
         finally:
             inside["s"] += time.perf_counter() - start
@@ -119,7 +123,7 @@ def child(case: str, validation: bool, fallback: str) -> dict:
         compile_s = time.perf_counter() - start
     reports = nf.get_reports()
     return {"compile_s": compile_s, "validation_s": inside["s"], "validations": inside["calls"],
-            "validation_peak_extra_mb": sampler.peak_extra / 2 ** 20,
+            "validation_peak_extra_mb": sampler.peak_extra / 2 ** 20 if sampler else None,
             "process_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "fused": sorted({m.op for r in reports for m in r.matches}),
             "rewrites": sum(len(r.matches) for r in reports),
@@ -128,11 +132,11 @@ def child(case: str, validation: bool, fallback: str) -> dict:
             "tally": dict(counters["npu_fuse_validation"])}
 
 
-def run_child(case: str, validation: bool, fallback: str) -> dict:
+def run_child(case: str, validation: bool, fallback: str, sample_memory: bool = False) -> dict:
     # a fixed mmap threshold: glibc returns every large block on free, so resident memory follows what
     # is allocated (its dynamic threshold would keep freed blocks and charge them to whoever comes next)
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    done = subprocess.run([sys.executable, __file__, "--child", json.dumps([case, validation, fallback])],
+    done = subprocess.run([sys.executable, __file__, "--child", json.dumps([case, validation, fallback, sample_memory])],
                           capture_output=True, text=True, env=env)
     if done.returncode:
         raise RuntimeError(f"{case} (validation {validation}) failed:\n{done.stderr[-3000:]}")
@@ -144,6 +148,7 @@ def measure(case: str, fallback: str, repeat: int) -> dict:
     for i in range(repeat):
         for validation in ((False, True) if i % 2 == 0 else (True, False)):
             runs[validation].append(run_child(case, validation, fallback))
+    memory = run_child(case, True, fallback, sample_memory=True)
     med = lambda side, key: statistics.median(r[key] for r in runs[side])  # noqa: E731
     on = runs[True][-1]
     row = {"case": CASES[case], "fused": ", ".join(on["fused"]), "rewrites": on["rewrites"],
@@ -151,7 +156,7 @@ def measure(case: str, fallback: str, repeat: int) -> dict:
            "compile_s_off": med(False, "compile_s"), "compile_s_on": med(True, "compile_s"),
            "validation_s": med(True, "validation_s"),
            "validation_%_of_compile": 100 * med(True, "validation_s") / med(True, "compile_s"),
-           "validation_peak_extra_mb": max(r["validation_peak_extra_mb"] for r in runs[True]),
+           "validation_peak_extra_mb": memory["validation_peak_extra_mb"],
            "process_peak_mb_off": med(False, "process_peak_mb"), "process_peak_mb_on": med(True, "process_peak_mb"),
            "evaluations": on["tally"].get("evaluations", 0)}
     if on["refused"]:
@@ -183,7 +188,9 @@ def main():
         "(forward, and the backward a training step's .backward() compiles). validation_s: time inside the "
         "validator; validation_%_of_compile: its share of compile_s_on (budget: 2 %). validation_peak_extra_mb: "
         "the most resident memory the validator added over the process's memory when it started (sampled "
-        "every 0.5 ms, glibc's mmap threshold fixed at 64 KB so that freed blocks leave; budget: 64 MB). "
+        "every 0.5 ms, glibc's mmap threshold fixed at 64 KB so that freed blocks leave; budget: 64 MB), in a "
+        "third process with validation on (the sampling slows what it watches: the times come from processes "
+        "that do not sample). "
         "process_peak_mb: the process's peak resident memory, off and on. "
         "validated: rewrites shown equal by an evaluation (the others identical to one of them); "
         "evaluations: probe evaluations of both sides.",

@@ -76,8 +76,9 @@ Otherwise:
    other one shrunk, its slots remapped into that smaller cache (a whole cache is never copied).
 3. A symbolic graph runs once more, ``uniform``, at a second small value of every symbol.
 
-**Budget.** Every evaluation is sized before it runs, from its nodes' shapes on meta tensors:
-it may hold at most ``MEMORY_BUDGET`` bytes at once (inputs, clones of what a side mutates, the
+**Budget.** Every evaluation is sized before it runs, from its nodes' shapes: those of a run on
+meta tensors, or for a confirmation those of the shrunk problem with the one size's prime at its
+new length (each node's shape is checked as it runs, a factory's before it allocates): it may hold at most ``MEMORY_BUDGET`` bytes at once (inputs, clones of what a side mutates, the
 live intermediates of one side, a fused kernel's temporaries, the float64 reference where it
 runs); outputs are compared block by block. A weight is drawn as a repeated random block of a
 prime length (cheap, and no two of its rows alike) and reused by every problem of the rewrite. A rewrite that no problem of the plan fits is refused
@@ -122,7 +123,8 @@ MEMORY_BUDGET = 64 << 20  # bytes one evaluation may hold at once
 SHRINK_FROM = 16  # only sizes at least this large are shrunk
 SAMPLE_ROWS = 19  # rows of a size confirmed by sampling (a prime, past the shrunk sizes)
 BRIDGE_HOPS = 6  # how far back a shared input is traced to the values it is computed from
-PERIODIC_FROM = 1 << 20  # inputs with more elements are drawn periodically (see _uniform)
+PERIODIC_FROM = 1 << 18  # inputs with more elements are drawn periodically (see _uniform)
+SCALED_UP_TO = 1 << 20  # the magnitudes probe scales inputs of at most this many elements (a larger one is a weight)
 PERIOD = 65521  # the largest prime below 2^16
 GREEDY_TRIES = 12  # sizes tried one at a time (the largest savings) when shrinking all of them at once fails
 
@@ -652,6 +654,7 @@ class _Problem:
     precise: bool = True  # the magnitudes probe's float64 reference fits the budget
     repairs: dict = dataclasses.field(default_factory=dict)
     plain: set = dataclasses.field(default_factory=set)  # nodes without an integer argument to remap
+    derived: bool = False  # node shapes derived from the shrunk problem's, checked as the nodes run
 
     @property
     def where(self) -> str:
@@ -669,6 +672,8 @@ class _Plan:
         self.symbols = _free_symbols(validation.leaves)
         self.shape_env = _shape_env(validation.nodes)
         self.taken = _taken_numbers(validation.nodes)
+        self.meta_results: dict = {}  # (node, its arguments' metadata) -> its meta value: shrinks tried one
+        # after another share most of their nodes' shapes
 
     def problems(self):
         v = self.v
@@ -824,7 +829,7 @@ class _Plan:
         lengths = dict(shrunk.lengths)
         lengths[size] = size.real
         real_length = self._problem(f"confirming size {size} at its real length", lengths, {}, ("magnitudes",),
-                                    repairs=shrunk.repairs)
+                                    repairs=shrunk.repairs, base=shrunk)
         if self._bytes(real_length) <= MEMORY_BUDGET:
             self._fits(real_length)
             return real_length
@@ -837,7 +842,7 @@ class _Plan:
         middle = torch.randperm(size.real - 2, generator=g)[:count - 2] + 1
         rows = torch.cat([torch.tensor([0, size.real - 1]), middle]).sort().values
         sampled = self._problem(f"confirming size {size} on {count} sampled rows", lengths, {size: rows},
-                                ("magnitudes",), repairs=shrunk.repairs)
+                                ("magnitudes",), repairs=shrunk.repairs, base=shrunk)
         self._fits(sampled)
         return sampled
 
@@ -863,7 +868,9 @@ class _Plan:
 
     # -- sizing a problem -------------------------------------------------------------------------
     def _problem(self, label: str, lengths: dict, rows: dict, probes: tuple, check: bool = True,
-                 repairs: Optional[dict] = None) -> _Problem:
+                 repairs: Optional[dict] = None, base: Optional[_Problem] = None) -> _Problem:
+        """The problem at ``lengths``: every node's shape, from a run on meta tensors, or (``base``: the
+        shrunk problem, of which one static size changes) derived from base's shapes."""
         problem = _Problem(label, lengths, rows, probes)
         problem.repairs = dict(repairs or {})  # node -> {real value: the per-dim size its arguments follow}
         problem.node_values = {node: {real: lengths[size] for real, size in named.items() if size in lengths}
@@ -887,7 +894,8 @@ class _Plan:
                 if isinstance(value, torch.Tensor):
                     problem.shapes[node] = tuple(_at(s, problem.symbols) for s in value.shape)
             return problem
-        self._meta_run(problem)
+        if base is None or not _derive_shapes(problem, base, self.v.leaves):
+            self._meta_run(problem)
         return problem
 
     def _meta_run(self, problem: _Problem) -> None:
@@ -900,7 +908,7 @@ class _Plan:
         for leaf in v.leaves:
             self._check_shape(leaf, env[leaf], coded, problem)
         for node in [*v.bridge, *v.original, *v.inserted]:
-            result = _evaluate([node], env, problem, meta=True)
+            result = _evaluate([node], env, problem, meta=True, memo=self.meta_results)
             if isinstance(result, Raised):
                 raise _Inconsistent(f"{result}", node)
             self._check_shape(node, env[node], coded, problem)
@@ -970,6 +978,40 @@ class _Plan:
                              f"can shrink consistently far enough")
         # the magnitudes probe's float64 reference, where it fits (else that probe uses the plain tolerance)
         problem.precise = self._bytes(problem, precise=True) <= MEMORY_BUDGET
+
+
+def _derive_shapes(problem: _Problem, base: _Problem, leaves: list) -> bool:
+    """Every node's shape in ``problem`` from its shape in ``base`` when they differ in one static
+    size only: base's length of it is a prime that divides no other integer of the rewrite, so each
+    dim holds that prime once per time the size enters it, and the dim at the new length follows.
+    The evaluation checks each node's shape as it runs (``_shape_checked``); False when the shapes
+    cannot be derived (a symbol changed, several sizes, a leaf that disagrees)."""
+    changed = [size for size, n in problem.lengths.items() if base.lengths.get(size) != n]
+    if len(changed) != 1 or changed[0].symbol is not None or set(problem.lengths) != set(base.lengths):
+        return False
+    prime, new = base.lengths[changed[0]], problem.lengths[changed[0]]
+
+    def follow(dim: int) -> int:
+        times = 0
+        while dim and dim % prime == 0:
+            dim //= prime
+            times += 1
+        return dim * new ** times
+
+    shapes = {node: tuple(follow(d) for d in shape) for node, shape in base.shapes.items()}
+    if any(shapes.get(leaf) != problem.shapes[leaf] for leaf in leaves if leaf in problem.shapes):
+        return False
+    problem.shapes = shapes
+    problem.derived = True
+    return True
+
+
+def _shape_checked(node: Node, value: Any, problem: _Problem) -> None:
+    """A derived problem's promise, kept: the node got the shape derived for it."""
+    want = problem.shapes.get(node)
+    if want is not None and isinstance(value, torch.Tensor) and tuple(value.shape) != want:
+        raise Unvalidatable(f"{node.name} is {list(value.shape)} on the {problem.label} problem, not the "
+                            f"{list(want)} the shrunk problem predicts")
 
 
 def _merged_by_value(sizes: list) -> list:
@@ -1266,7 +1308,7 @@ class _Draws:
                 self._base[leaf] = (logical, _uniform(shape, dtype, device, g))
             drawn = self._base[leaf][1]
             real = torch.view_as_real(drawn) if dtype.is_complex else drawn
-            if probe == "magnitudes" and real.numel() <= PERIODIC_FROM:  # in place, by powers of two: undone exactly
+            if probe == "magnitudes" and real.numel() <= SCALED_UP_TO:  # in place, by powers of two: undone exactly
                 self._undo.append(_scale_rows(real, dtype, position))
             elif probe in PLANTED:
                 self._undo.append(_plant(real, PLANTED[probe], g))
@@ -1347,7 +1389,7 @@ def _plant(values: torch.Tensor, specials: tuple, g: torch.Generator):
 
 # -- running ----------------------------------------------------------------------------------------
 def _evaluate(nodes: list, env: dict, problem: _Problem, fallback=None, keep: Optional[set] = None,
-              meta: bool = False, precise: Optional[torch.dtype] = None):
+              meta: bool = False, precise: Optional[torch.dtype] = None, memo: Optional[dict] = None):
     """The values of nodes (in order) added to env, or Raised; env holds the values they read.
     Integer arguments follow the problem's sizes; an ``arange`` of a sampled size gives its rows'
     real positions; values no later node reads are dropped unless in ``keep``."""
@@ -1372,15 +1414,42 @@ def _evaluate(nodes: list, env: dict, problem: _Problem, fallback=None, keep: Op
                 args, kwargs = _remapped((args, kwargs), values)
         if precise:
             args, kwargs = _widened((args, kwargs), precise)
+        if problem.derived and not meta and not any(isinstance(env[n], torch.Tensor) for n in node.all_input_nodes):
+            _shape_checked(node, _call(node, args, kwargs, problem, meta=True), problem)  # (a factory: before it allocates)
+        key = _meta_key(node, args, kwargs, problem) if memo is not None else None
+        if key is not None and key in memo:
+            env[node] = memo[key]
+            continue
         try:
             env[node] = _call(node, args, kwargs, problem, meta)
+            if key is not None:
+                memo[key] = env[node]
         except Exception as exc:  # an outcome to compare, like a value (its traceback, which holds the
             return Raised(exc.with_traceback(None), node)  # evaluation's frames and their tensors, dropped)
+        if problem.derived and not meta:
+            _shape_checked(node, env[node], problem)
         if keep is not None:
             for n in node.all_input_nodes:
                 if n in inside and last.get(n) == i and n not in keep:
                     env.pop(n, None)
     return env
+
+
+def _meta_key(node: Node, args, kwargs, problem: _Problem) -> Optional[tuple]:
+    """What a node's meta value depends on: its arguments' metadata (None: not to be reused, e.g.
+    an ``arange`` whose rows a problem samples)."""
+    if problem.rows and node.target in _ARANGES:
+        return None
+    parts = [node]
+    for x in torch.utils._pytree.tree_leaves((args, kwargs)):
+        if isinstance(x, torch.Tensor):
+            parts.append((tuple(x.shape), x.stride(), x.storage_offset(), x.dtype))
+        elif x is None or isinstance(x, (int, float, bool, str, torch.dtype, torch.device, torch.memory_format,
+                                         torch.layout)):
+            parts.append((type(x), x))
+        else:  # (an op overload, a generator...: keyed by what it is)
+            parts.append(id(x))
+    return tuple(parts)
 
 
 def _call(node: Node, args, kwargs, problem: _Problem, meta: bool):

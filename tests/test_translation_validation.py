@@ -310,6 +310,37 @@ def test_large_inputs_run_shrunk_then_each_size_at_its_real_length(monkeypatch):
     assert near_miss_reasons(reports)[0].endswith("shrunk)")  # found on the shrunk problem already
 
 
+def test_a_confirmation_derives_its_shapes_from_the_shrunk_problem(monkeypatch):
+    """Only the shrunk problem runs on meta tensors; each confirmation's shapes follow from it (the
+    one size that changes is a prime of its own), and the confirmation still runs."""
+    seen = problems_seen(monkeypatch)
+    meta_runs = []
+    meta_run = validate._Plan._meta_run
+    monkeypatch.setattr(validate._Plan, "_meta_run", lambda self, problem: meta_runs.append(problem.label)
+                        or meta_run(self, problem))
+    monkeypatch.setattr(validate, "FULL_ELEMENTS", 2000)
+    out, reports = compile_fused(rope, *rope_args(seq=64))
+    assert fused_ops(reports) == ["rotary_mul"]
+    confirmations = [label for label, _, _ in seen if label.startswith("confirming")]
+    assert confirmations and meta_runs and set(meta_runs) == {"shrunk"}
+
+
+def test_a_derived_shape_is_checked_as_the_node_runs():
+    graph = torch.fx.symbolic_trace(lambda x: x * 2).graph
+    x, doubled = [n for n in graph.nodes if n.op != "output"]
+    size = validate._Size(64, [(x, 0)])
+    base = validate._Problem("shrunk", {size: 5}, {}, ("uniform",), shapes={x: (5, 16), doubled: (5, 16)})
+    confirming = validate._Problem("confirming size 64", {size: 64}, {}, ("magnitudes",), shapes={x: (64, 16)})
+    assert validate._derive_shapes(confirming, base, [x])
+    assert confirming.derived and confirming.shapes[doubled] == (64, 16)
+    validate._shape_checked(doubled, torch.empty(64, 16), confirming)
+    with pytest.raises(validate.Unvalidatable, match=r"\[63, 16\] on the confirming size 64 problem, not the "
+                                                      r"\[64, 16\] the shrunk problem predicts"):
+        validate._shape_checked(doubled, torch.empty(63, 16), confirming)
+    disagreeing = validate._Problem("confirming size 64", {size: 64}, {}, ("magnitudes",), shapes={x: (64, 17)})
+    assert not validate._derive_shapes(disagreeing, base, [x])  # (then the problem runs on meta tensors)
+
+
 def test_a_rewrite_no_problem_of_the_budget_fits_is_refused_with_the_reason(monkeypatch):
     monkeypatch.setattr(validate, "MEMORY_BUDGET", 1000)  # bytes: not even the shrunk problem fits
     args = rope_args()
