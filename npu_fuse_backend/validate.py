@@ -438,11 +438,11 @@ class _Validation:
             original = self._side(self.original, values, problem)
             replacement = self._side(self.inserted, values, problem,
                                      fallback=original if isinstance(original, dict) else None)
-            exact = None
-            if probe == "magnitudes" and problem.precise and isinstance(original, dict) \
-                    and isinstance(replacement, dict):
-                exact = self._side(self.original, values, problem, precise=True)
-            reason = self._verdict(probe, problem, original, replacement, exact if isinstance(exact, dict) else None)
+            reason = self._verdict(probe, problem, original, replacement)
+            if reason and probe == "magnitudes" and problem.precise and isinstance(original, dict) \
+                    and isinstance(replacement, dict):  # (eager's own error only ever allows more: measured
+                exact = self._side(self.original, values, problem, precise=True)  # where the verdict needs it)
+                reason = self._verdict(probe, problem, original, replacement, exact if isinstance(exact, dict) else None)
             if reason:
                 return reason
             values = original = replacement = exact = None  # (freed before the next probe is drawn)
@@ -694,7 +694,7 @@ class _Plan:
             yield real
             return
         primes = _primes(self.taken)
-        shrunk = self._shrink(sizes, primes, probes)
+        shrunk = self._shrink(sizes, primes, probes, real)
         if shrunk is None:
             self._fits(real)
             yield real
@@ -740,7 +740,7 @@ class _Plan:
         sizes += [_Size(self._hint(s), [], symbol=s) for s in sorted(self.symbols, key=str)]
         return sorted(sizes, key=lambda s: -s.real)
 
-    def _shrink(self, sizes: list, primes: list, probes: tuple) -> Optional[_Problem]:
+    def _shrink(self, sizes: list, primes: list, probes: tuple, real: _Problem) -> Optional[_Problem]:
         """The shrunk problem: every size that can shrink consistently shrunk, else None."""
         attempts = [sizes]
         merged = _merged_by_value(sizes)
@@ -752,7 +752,6 @@ class _Plan:
                 return problem
         # one size at a time, the largest saving first, keeping those that shrink consistently, until the
         # inputs are small (a size saving less than 1 % of them is not tried)
-        real = self._problem("", {}, {}, probes, check=False)
         total = _elements(real, self.v.leaves)
         chosen: list = []
         problem = None
@@ -1230,11 +1229,18 @@ def _meta_leaf(leaf: Node, problem: _Problem) -> Any:
     if not isinstance(value, torch.Tensor):
         return _at(value, problem.symbols) if _is_sym(value) else value
     shape = problem.leaf_shape(leaf)
+    stored, inverse = _layout(value, shape)
+    drawn = torch.empty(stored, dtype=value.dtype, device="meta")
+    return drawn.permute(inverse).expand(shape) if shape else drawn
+
+
+def _layout(value: torch.Tensor, shape: list) -> tuple:
+    """How a leaf of ``shape`` with the traced value's layout is made: (the shape to allocate, its
+    dims outermost first and an expanded dim once, the permutation that gives the leaf's dim order)."""
     strides = [_hint(s) for s in value.stride()]
+    dense = [1 if st == 0 else sz for sz, st in zip(shape, strides)]  # expanded dims are drawn once
     order = _stride_order(value)
-    dense = [1 if st == 0 else sz for sz, st in zip(shape, strides)]
-    drawn = torch.empty([dense[d] for d in order], dtype=value.dtype, device="meta")
-    return drawn.permute([order.index(d) for d in range(len(shape))]).expand(shape) if shape else drawn
+    return [dense[d] for d in order], [order.index(d) for d in range(len(shape))]
 
 
 # -- drawing ----------------------------------------------------------------------------------------
@@ -1294,12 +1300,8 @@ class _Draws:
         if leaf in self.v.rng_states:  # a recorded generator state, the same on both sides
             return torch.Generator(device=value.device).manual_seed(self.v.seed).get_state().to(value.device)
         shape = self.problem.leaf_shape(leaf)
-        strides = [_hint(s) for s in value.stride()]
-        dense = [1 if st == 0 else sz for sz, st in zip(shape, strides)]  # expanded dims are drawn once
-        order = _stride_order(value)
-        drawn = self._values([dense[d] for d in order], value.dtype, value.device, g, leaf, position, probe,
-                             tuple(shape))
-        inverse = [order.index(d) for d in range(len(shape))]
+        stored, inverse = _layout(value, shape)
+        drawn = self._values(stored, value.dtype, value.device, g, leaf, position, probe, tuple(shape))
         return drawn.permute(inverse).expand(shape) if shape else drawn
 
     def _values(self, shape, dtype, device, g, leaf: Node, position: int, probe: str, logical=()) -> torch.Tensor:
@@ -1571,19 +1573,23 @@ def _difference(expected: Any, got: Any, probe: str = "uniform", exact: Any = No
 
 def _beyond_tolerance(expected: torch.Tensor, got: torch.Tensor, probe: str, exact: Any,
                       finite: bool = False) -> Optional[str]:
-    """The finite elements' comparison, on the rows that differ at all, block by block (a few MB of
-    temporaries at most: an updated cache differs in its written rows only)."""
+    """The finite elements' comparison: a small output at once, a larger one on the rows that differ
+    at all, block by block (a few MB of temporaries at most: an updated cache differs in its written
+    rows only)."""
     precise = torch.float64 if expected.dtype == torch.float64 else torch.float32
     width = expected.shape[-1] if expected.dim() else 1
     e_all, g_all = expected.reshape(-1, width), got.reshape(-1, width)
-    differing = (e_all != g_all).any(-1).nonzero().view(-1)
-    if not differing.numel():
-        return None
     x_all = exact.reshape(-1, width) if isinstance(exact, torch.Tensor) and exact.shape == expected.shape \
         and exact.is_floating_point() else None
+    step = max(1, COMPARE_ELEMENTS // max(width, 1))
+    if e_all.shape[0] <= step:  # (the rows that do not differ add nothing: no need to find them)
+        blocks = [(e_all, g_all, x_all)]
+    else:
+        differing = (e_all != g_all).any(-1).nonzero().view(-1)
+        blocks = ((e_all[rows], g_all[rows], None if x_all is None else x_all[rows])
+                  for rows in differing.split(step))
     eps = torch.finfo(expected.dtype).eps
     rel, absolute = TOLERANCE_EPS.get(expected.dtype, (16, 16))
-    step = max(1, COMPARE_ELEMENTS // max(width, 1))
     everything = 0.0
     if probe != "magnitudes":  # the whole output's rms (over its finite elements)
         total = 0.0
@@ -1593,9 +1599,8 @@ def _beyond_tolerance(expected: torch.Tensor, got: torch.Tensor, probe: str, exa
             total += float(torch.linalg.vector_norm(e, dtype=precise)) ** 2
         everything = (total / max(expected.numel(), 1)) ** 0.5
     bad, worst, worst_at, largest = 0, 0.0, None, 0.0
-    for start in range(0, differing.numel(), step):
-        rows = differing[start:start + step]
-        e, g = e_all[rows].to(precise), g_all[rows].to(precise)
+    for e, g, x in blocks:
+        e, g = e.to(precise), g.to(precise)
         compared = torch.isfinite(e)
         if not finite:
             e, g = torch.where(compared, e, 0), torch.where(compared, g, 0)
@@ -1607,7 +1612,7 @@ def _beyond_tolerance(expected: torch.Tensor, got: torch.Tensor, probe: str, exa
         if probe == "magnitudes":  # large values lose digits to cancellation in any kernel: a relative floor
             slack -= scale * MAGNITUDES_RTOL
         if x_all is not None:  # eager's own error, the largest of the row (it varies element by element)
-            own = (e - torch.where(compared, x_all[rows].to(precise), 0)).abs_().nan_to_num_(0)
+            own = (e - torch.where(compared, x.to(precise), 0)).abs_().nan_to_num_(0)
             slack -= own.amax(-1, keepdim=True).mul_(4)
         over = slack > 0
         if bool(over.any()):
