@@ -33,7 +33,8 @@ recomputation of checkpointed code does) is a recorded generator state, never ra
   with |p| > 1 loses digits to cancellation, in eager as in any kernel), so this probe also
   allows 2^-12 of the row's rms (a faulty kernel is off by far more) and four times eager's own
   error (the largest in the element's last-dim row) measured against the subgraph run in float64
-  (float32 for a subgraph of 16-bit floats), where that run fits the budget;
+  (float32 for a subgraph of 16-bit floats), where that run fits the budget (it runs only when the
+  comparison without that allowance fails: it only ever allows more);
 - ``NaN``: uniform with NaN and -0.0 planted in every float input: an output element is NaN in
   the replacement exactly where it is NaN in eager (the sign of a zero is not compared);
 - ``infinities``: uniform with +inf and -inf planted: where eager is finite the replacement is
