@@ -54,7 +54,7 @@ def decomposition(op: torch._ops.OpOverload) -> Callable:
 def soc_limits(op: torch._ops.OpOverload) -> Callable:
     def register(fn: Callable) -> Callable:
         def checked(soc: str, *args, **kwargs):
-            return unknown_soc_reason(soc) or UNAVAILABLE.get(op, {}).get(soc) or fn(soc, *args, **kwargs)
+            return _refused_before_limits(op, soc) or fn(soc, *args, **kwargs)
 
         SOC_LIMITS[op] = checked
         return fn
@@ -70,8 +70,11 @@ def soc_refusal(op: torch._ops.OpOverload, soc: str, *args, **kwargs) -> Optiona
     """Why the op cannot take this call (fake arguments) on soc: an unrecognised NPU, a SoC without
     its kernel, or its limits there; None when it can. Every fused op is asked, with limits or not."""
     limits = SOC_LIMITS.get(op)
-    if limits is not None:
-        return limits(soc, *args, **kwargs)
+    return limits(soc, *args, **kwargs) if limits is not None else _refused_before_limits(op, soc)
+
+
+def _refused_before_limits(op: torch._ops.OpOverload, soc: str) -> Optional[str]:
+    """An unrecognised NPU, or a SoC where the op has no kernel."""
     return unknown_soc_reason(soc) or UNAVAILABLE.get(op, {}).get(soc)
 
 

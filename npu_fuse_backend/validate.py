@@ -830,11 +830,12 @@ class _Plan:
         lengths[size] = size.real
         real_length = self._problem(f"confirming size {size} at its real length", lengths, {}, ("magnitudes",),
                                     repairs=shrunk.repairs, base=shrunk)
-        if self._bytes(real_length) <= MEMORY_BUDGET:
-            self._fits(real_length)
+        held = self._bytes(real_length)
+        if held <= MEMORY_BUDGET:
+            self._fits(real_length, held)
             return real_length
         if size.symbol is not None:
-            raise OverBudget(f"symbol {size} at its hint {size.real} needs {self._bytes(real_length) >> 20} MB "
+            raise OverBudget(f"symbol {size} at its hint {size.real} needs {held >> 20} MB "
                              f"(> {MEMORY_BUDGET >> 20} MB)")
         count = next(p for p in primes if p >= SAMPLE_ROWS and p not in shrunk.lengths.values())
         lengths[size] = count
@@ -970,8 +971,8 @@ class _Plan:
             largest = max(largest, held)
         return inputs + outputs + largest
 
-    def _fits(self, problem: _Problem) -> None:
-        held = self._bytes(problem)
+    def _fits(self, problem: _Problem, held: Optional[int] = None) -> None:
+        held = self._bytes(problem) if held is None else held
         if held > MEMORY_BUDGET:
             what = f"the {problem.label} problem" if problem.label else "the rewrite at its real shapes"
             raise OverBudget(f"{what} needs {held / 2 ** 20:.0f} MB (> {MEMORY_BUDGET >> 20} MB): no size "
