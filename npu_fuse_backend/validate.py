@@ -656,6 +656,7 @@ class _Problem:
     repairs: dict = dataclasses.field(default_factory=dict)
     plain: set = dataclasses.field(default_factory=set)  # nodes without an integer argument to remap
     derived: bool = False  # node shapes derived from the shrunk problem's, checked as the nodes run
+    ints: dict = dataclasses.field(default_factory=dict)  # node -> the integers of its arguments (the plan's)
 
     @property
     def where(self) -> str:
@@ -673,6 +674,7 @@ class _Plan:
         self.symbols = _free_symbols(validation.leaves)
         self.shape_env = _shape_env(validation.nodes)
         self.taken = _taken_numbers(validation.nodes)
+        self.ints: dict = {}  # node -> the integers of its arguments, shared by the problems
         self.meta_results: dict = {}  # (node, its arguments' metadata) -> its meta value: shrinks tried one
         # after another share most of their nodes' shapes
 
@@ -813,7 +815,7 @@ class _Plan:
         for size in lengths:
             if size.named:
                 for node in self.v.nodes:
-                    if size.real in _ints_of(node):
+                    if size.real in _ints_of(node, self.ints):
                         repairs.setdefault(node, {}).setdefault(size.real, size)
         for _ in range(len(repairs) + 1):
             try:
@@ -872,7 +874,7 @@ class _Plan:
                  repairs: Optional[dict] = None, base: Optional[_Problem] = None) -> _Problem:
         """The problem at ``lengths``: every node's shape, from a run on meta tensors, or (``base``: the
         shrunk problem, of which one static size changes) derived from base's shapes."""
-        problem = _Problem(label, lengths, rows, probes)
+        problem = _Problem(label, lengths, rows, probes, ints=self.ints)
         problem.repairs = dict(repairs or {})  # node -> {real value: the per-dim size its arguments follow}
         problem.node_values = {node: {real: lengths[size] for real, size in named.items() if size in lengths}
                                for node, named in problem.repairs.items()}
@@ -1102,9 +1104,13 @@ def _value_map(nodes: list, leaves: list, lengths: dict, node_values: dict) -> t
     return values, derived
 
 
-def _ints_of(node: Node) -> frozenset:
-    """The integers in a node's arguments."""
-    return frozenset(x for x in torch.utils._pytree.tree_leaves((node.args, node.kwargs)) if type(x) is int)
+def _ints_of(node: Node, cache: dict) -> frozenset:
+    """The integers in a node's arguments (kept in ``cache``: a plan asks of each node many times)."""
+    found = cache.get(node)
+    if found is None:
+        found = cache[node] = frozenset(x for x in torch.utils._pytree.tree_leaves((node.args, node.kwargs))
+                                        if type(x) is int)
+    return found
 
 
 def _taken_numbers(nodes: list) -> dict:
@@ -1412,7 +1418,7 @@ def _evaluate(nodes: list, env: dict, problem: _Problem, fallback=None, keep: Op
         args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda n: env[n])
         values = {**problem.values, **problem.node_values[node]} if node in problem.node_values else problem.values
         if values and node not in problem.plain:
-            if values.keys().isdisjoint(_ints_of(node)):
+            if values.keys().isdisjoint(_ints_of(node, problem.ints)):
                 problem.plain.add(node)  # no integer argument of it changes: none to remap
             else:
                 args, kwargs = _remapped((args, kwargs), values)
