@@ -765,15 +765,31 @@ class PassManager:
 
 
 def _erase_dead(graph: Graph, nodes: set[Node]) -> None:
-    """Erase the replaced nodes left without users, and the constants (a shared zeros) they alone used."""
-    if not nodes:
-        return
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    constants = set()
-    for node in sorted(nodes, key=order.__getitem__, reverse=True):
-        if not node.users and not node.is_impure():
-            constants.update(n for n in node.all_input_nodes if n.op == "call_function" and not n.all_input_nodes)
-            graph.erase_node(node)
+    """Erase the replaced nodes left without users, and the constants (a shared zeros) they alone used.
+    (Each node after its users: from the nodes without users up to their inputs, no scan of the graph.)"""
+    impure: dict = {}  # an op's purity, asked once per op (of a call_function, a property of its target)
+
+    def erasable(node: Node) -> bool:
+        if node.users:
+            return False
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            return not node.is_impure()
+        found = impure.get(node.target)
+        if found is None:
+            found = impure[node.target] = node.is_impure()
+        return not found
+
+    constants, erased = set(), set()
+    pending = [node for node in nodes if not node.users]
+    while pending:
+        node = pending.pop()
+        if node in erased or not erasable(node):
+            continue
+        inputs = node.all_input_nodes
+        constants.update(n for n in inputs if n.op == "call_function" and not n.all_input_nodes)
+        graph.erase_node(node)
+        erased.add(node)
+        pending.extend(n for n in inputs if n in nodes)
     for node in constants - nodes:
-        if not node.users and not node.is_impure():
+        if erasable(node):
             graph.erase_node(node)
