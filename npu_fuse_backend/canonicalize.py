@@ -19,7 +19,7 @@ import operator
 import torch
 from torch.fx import Graph, Node
 
-from .graph_utils import INT_MAX, aten, is_call, norm_dim, shape_eq, size_eq, slice_args, static_int, val
+from .graph_utils import INT_MAX, aten, is_call, norm_dim, shape_eq, size_eq, slice_args, static_int
 
 RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
             aten.alias.default)
@@ -37,15 +37,21 @@ _DEDUPLICATED = {id(t) for t in DEDUPLICATED}
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.dim() == b.dim() and a.dtype == b.dtype and shape_eq(a.shape, b.shape) and a.device == b.device
-            and shape_eq(a.stride(), b.stride()) and size_eq(a.storage_offset(), b.storage_offset()))
+    if a.dim() != b.dim() or a.dtype != b.dtype:
+        return False
+    if not (a._has_symbolic_sizes_strides or b._has_symbolic_sizes_strides):  # ints: compared as tuples
+        same = a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
+    else:
+        same = (shape_eq(a.shape, b.shape) and shape_eq(a.stride(), b.stride())
+                and size_eq(a.storage_offset(), b.storage_offset()))
+    return same and a.device == b.device
 
 
 def _is_noop(node: Node) -> bool:
     """node returns a value equal to, and laid out like, its first argument."""
     if id(node.target) not in _MAYBE_NOOP or not node.args or not isinstance(node.args[0], Node):
         return False
-    out, src = val(node), val(node.args[0])
+    out, src = node.meta.get("val"), node.args[0].meta.get("val")
     if not (isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor) and _same_layout(out, src)):
         return False
     if is_call(node, aten.slice.Tensor):

@@ -32,7 +32,7 @@ import warnings
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 from torch.fx import Graph, GraphModule, Node
 
 from . import config
@@ -119,6 +119,8 @@ class PassContext:
     # what a pass computes once per graph and run for the passes after it too (the RoPE recognizer's
     # analysis): one dict for the run's contexts, gone with the run
     memo: dict = dataclasses.field(default_factory=dict)
+    # what the fused ops' fake kernels gave in this run (fake_value's ``outcomes``), one dict for the run
+    fake_outcomes: dict = dataclasses.field(default_factory=dict)
     _positions: Optional[dict] = None
 
     def position(self, node: Node) -> int:
@@ -225,12 +227,114 @@ def _direct_fake_kernel(fake_mode: Any, target: Any, args: tuple, kwargs: dict) 
     return run
 
 
-def fake_value(fake_mode: Any, target: Callable, args: tuple, kwargs: dict) -> Any:
+def _argument_key(value: Any, fake_mode: Any) -> Any:
+    """All a fused op's fake kernel (and the dispatcher's choice of path) can read of one argument,
+    hashable; _NOT_AS_IS where it could read more (a symbolic size, a constant's values, a tensor
+    subclass, autograd) or that is not of fake_mode."""
+    if isinstance(value, torch.Tensor):
+        if type(value) is not FakeTensor or value.fake_mode is not fake_mode or value.requires_grad or \
+                value.constant is not None or value.layout != torch.strided:
+            return _NOT_AS_IS
+        shape, stride = tuple(value.shape), value.stride()
+        if not all(type(d) is int for d in (*shape, *stride)) or type(value.storage_offset()) is not int:
+            return _NOT_AS_IS
+        return (shape, stride, value.storage_offset(), value.dtype, value.device, value.is_conj(), value.is_neg())
+    if value is None or type(value) in (int, bool, str):
+        return type(value), value
+    if type(value) is float:
+        return float, repr(value)  # (-0.0 and nan by their spelling)
+    if type(value) is list and all(type(v) is int for v in value):
+        return list, tuple(value)
+    return _NOT_AS_IS
+
+
+def _call_key(fake_mode: Any, target: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
+    """(target, every argument's :func:`_argument_key`) for a call of a fused op; None for another
+    call or where an argument has no key."""
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "npu_fuse":
+        return None
+    keys = [_argument_key(v, fake_mode) for v in args]
+    for name in sorted(kwargs):
+        keys += [name, _argument_key(kwargs[name], fake_mode)]
+    return None if any(k is _NOT_AS_IS for k in keys) else (target, tuple(keys))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Refused:
+    """A fake kernel's ValueError (the op's argument check): raised again for the same arguments."""
+
+    args: tuple
+
+    def replay(self, fake_mode: Any) -> Any:
+        raise ValueError(*self.args)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outputs:
+    """What a fake kernel returned: fresh tensors (each of its own storage, as the kernel's were),
+    their shapes, strides, dtypes and devices; the container type, None for one tensor."""
+
+    container: Optional[type]
+    tensors: tuple  # (shape, stride, dtype, device) each
+
+    def replay(self, fake_mode: Any) -> Any:
+        with in_kernel_invocation_manager(fake_mode):  # (as the fake mode's own cache makes a value)
+            fresh = [FakeTensor(fake_mode, torch.empty_strided(shape, stride, dtype=dtype, device="meta"), device)
+                     for shape, stride, dtype, device in self.tensors]
+        return fresh[0] if self.container is None else self.container(fresh)
+
+    @classmethod
+    def of(cls, value: Any, fake_mode: Any, inputs: tuple) -> Optional["_Outputs"]:
+        """value's outputs, where replay gives the same: plain dense fake tensors of static sizes, none
+        aliasing another or an input; else None."""
+        container = type(value) if type(value) in (tuple, list) else None
+        tensors = list(value) if container else [value]
+        storages = {t.untyped_storage()._cdata for t in inputs if isinstance(t, torch.Tensor)}
+        specs = []
+        for t in tensors:
+            if t._base is not None:
+                return None
+            key = _argument_key(t, fake_mode)
+            storage = t.untyped_storage()
+            if key is _NOT_AS_IS or key[2] != 0 or key[5] or key[6] or storage._cdata in storages:
+                return None
+            storages.add(storage._cdata)
+            specs.append((key[0], key[1], key[3], key[4], storage.nbytes()))
+        outputs = cls(container, tuple(spec[:4] for spec in specs))
+        fresh = outputs.replay(fake_mode)
+        fresh = list(fresh) if container else [fresh]
+        if [(_argument_key(t, fake_mode), t.untyped_storage().nbytes()) for t in fresh] != \
+                [(_argument_key(t, fake_mode), spec[4]) for t, spec in zip(tensors, specs)]:
+            return None
+        return outputs
+
+
+def fake_value(fake_mode: Any, target: Callable, args: tuple, kwargs: dict, outcomes: Optional[dict] = None) -> Any:
     """target's value on fake arguments under fake_mode. A fused op's fake kernel, and so its argument
-    checker, runs as the dispatcher would run it (:func:`_direct_fake_kernel`), without the dispatch."""
+    checker, runs as the dispatcher would run it (:func:`_direct_fake_kernel`), without the dispatch.
+
+    ``outcomes`` (one dict per graph's run of the passes): what a fused op's fake kernel gave for the
+    metadata of its arguments, so that a call with the same metadata (the same rewrite in every layer)
+    gets fresh tensors of the same metadata, or the same refusal, without running it again. A fake
+    kernel is a function of that metadata (static sizes only; anything else runs the kernel)."""
+    if target is operator.getitem and not kwargs and type(args[0]) in (tuple, list) and type(args[1]) is int:
+        return args[0][args[1]]  # an output of a multi-output op: no dispatch to go through
+    key = _call_key(fake_mode, target, args, kwargs) if outcomes is not None else None
+    known = outcomes.get(key) if key is not None else None
+    if known is not None:
+        return known.replay(fake_mode)
     direct = _direct_fake_kernel(fake_mode, target, args, kwargs)
     if direct is not None:
-        return direct(fake_mode)
+        try:
+            value = direct(fake_mode)
+        except ValueError as refused:  # the op's argument check
+            if key is not None and type(refused) is ValueError:
+                outcomes[key] = _Refused(refused.args)
+            raise
+        outputs = _Outputs.of(value, fake_mode, args) if key is not None else None
+        if outputs is not None:
+            outcomes[key] = outputs
+        return value
     with fake_mode:
         return target(*args, **kwargs)
 
@@ -238,18 +342,21 @@ def fake_value(fake_mode: Any, target: Callable, args: tuple, kwargs: dict) -> A
 class GraphBuilder(_Emitter):
     """Emits replacement nodes before an anchor and gives each one ``meta["val"]``.
 
-    A fused-op call runs the op's fake kernel, and so its argument checker: a refusal undoes
-    the rewrite and is the near-miss reason (:class:`ArgumentsRefused`).
+    A fused-op call runs the op's fake kernel, and so its argument checker (or gets what it gave
+    for arguments of the same metadata in this run, ``fake_outcomes``; see :func:`fake_value`): a
+    refusal undoes the rewrite and is the near-miss reason (:class:`ArgumentsRefused`).
 
     Arguments that are nodes already replaced by an earlier rewrite of the same
     pass are mapped to their replacements, so chained matches stay consistent.
     """
 
-    def __init__(self, graph: Graph, fake_mode: Any, replaced: dict, inserted: list):
+    def __init__(self, graph: Graph, fake_mode: Any, replaced: dict, inserted: list,
+                 fake_outcomes: Optional[dict] = None):
         self.graph = graph
         self.fake_mode = fake_mode
         self._replaced = replaced
         self._inserted = inserted
+        self._fake_outcomes = fake_outcomes
 
     def resolve(self, node: Any) -> Any:
         while isinstance(node, Node) and node in self._replaced:
@@ -262,7 +369,7 @@ class GraphBuilder(_Emitter):
         self._inserted.append(node)
         fake_args, fake_kwargs = torch.fx.map_arg((args, kwargs), lambda n: n.meta["val"])
         try:
-            node.meta["val"] = fake_value(self.fake_mode, target, fake_args, fake_kwargs)
+            node.meta["val"] = fake_value(self.fake_mode, target, fake_args, fake_kwargs, self._fake_outcomes)
         except ValueError as exc:  # a fused op's argument check: the op cannot take this subgraph
             if fused_calls([node]):
                 raise ArgumentsRefused(str(exc)) from exc
@@ -471,10 +578,10 @@ class _Journal:
         self.replaced: dict[Node, Node] = {}
         self.saved_args: dict[Node, dict] = {}  # old -> {user: its args and kwargs before the rewrite}
 
-    def apply(self, rewrite: Rewrite, fake_mode: Any) -> list[Node]:
+    def apply(self, rewrite: Rewrite, fake_mode: Any, fake_outcomes: Optional[dict] = None) -> list[Node]:
         """Build the replacement and redirect the subgraph's outputs to it; returns the new nodes."""
         first = len(self.inserted)
-        builder = GraphBuilder(self.graph, fake_mode, self.replaced, self.inserted)
+        builder = GraphBuilder(self.graph, fake_mode, self.replaced, self.inserted, fake_outcomes)
         with self.graph.inserting_before(rewrite.anchor):
             built = rewrite.build(builder)
         outputs = built if isinstance(built, dict) else {rewrite.anchor: built}
@@ -546,8 +653,9 @@ class PassManager:
             soc = resolve_soc(self.settings.soc)
             changed = self._canonicalize(graph, report)
             memo: dict = {}
+            fake_outcomes: dict = {}
             for fusion in self.passes:  # a fresh context each: the previous pass may have edited the graph
-                ctx = PassContext(graph, soc, report.kind, fake_mode, dict(unsupported_ops or {}), memo)
+                ctx = PassContext(graph, soc, report.kind, fake_mode, dict(unsupported_ops or {}), memo, fake_outcomes)
                 changed |= self._run_one(fusion, ctx, report)
             if changed:
                 graph.lint()
@@ -591,7 +699,7 @@ class PassManager:
                 checkpoint = journal.checkpoint()
                 notes: list = []  # why a rewrite is kept unvalidated (config.keep_unvalidated_rewrites)
                 try:
-                    inserted = journal.apply(rewrite, ctx.fake_mode)
+                    inserted = journal.apply(rewrite, ctx.fake_mode, ctx.fake_outcomes)
                     refusal = self._refusal(ctx, inserted) or \
                         self._differs(subgraph, journal.outputs_since(checkpoint), inserted, notes)
                 except ArgumentsRefused as refused:
@@ -657,15 +765,31 @@ class PassManager:
 
 
 def _erase_dead(graph: Graph, nodes: set[Node]) -> None:
-    """Erase the replaced nodes left without users, and the constants (a shared zeros) they alone used."""
-    if not nodes:
-        return
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    constants = set()
-    for node in sorted(nodes, key=order.__getitem__, reverse=True):
-        if not node.users and not node.is_impure():
-            constants.update(n for n in node.all_input_nodes if n.op == "call_function" and not n.all_input_nodes)
-            graph.erase_node(node)
+    """Erase the replaced nodes left without users, and the constants (a shared zeros) they alone used.
+    (Each node after its users: from the nodes without users up to their inputs, no scan of the graph.)"""
+    impure: dict = {}  # an op's purity, asked once per op (of a call_function, a property of its target)
+
+    def erasable(node: Node) -> bool:
+        if node.users:
+            return False
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            return not node.is_impure()
+        found = impure.get(node.target)
+        if found is None:
+            found = impure[node.target] = node.is_impure()
+        return not found
+
+    constants, erased = set(), set()
+    pending = [node for node in nodes if not node.users]
+    while pending:
+        node = pending.pop()
+        if node in erased or not erasable(node):
+            continue
+        inputs = node.all_input_nodes
+        constants.update(n for n in inputs if n.op == "call_function" and not n.all_input_nodes)
+        graph.erase_node(node)
+        erased.add(node)
+        pending.extend(n for n in inputs if n in nodes)
     for node in constants - nodes:
-        if not node.users and not node.is_impure():
+        if erasable(node):
             graph.erase_node(node)

@@ -332,6 +332,10 @@ def _known(node: Node) -> bool:
         torch.sym_float, torch.sym_int, torch.sym_max, torch.sym_min, torch.sym_not, torch.sym_sum)
 
 
+_REFUSED_TARGETS: dict = {}  # op -> whether its calls are random or opaque (asked of every node of every rewrite)
+_TARGET_NAMES: dict = {}  # call target -> str(target), in signatures (an OpOverload's str is slow)
+
+
 # -- the validation --------------------------------------------------------------------------------
 class _Validation:
     def __init__(self, subgraph: list, outputs: dict, inserted: list, seed: int):
@@ -341,7 +345,14 @@ class _Validation:
         self.seed = seed
         self.evaluations = 0
         for node in [*self.original, *self.inserted]:  # (a mutating op runs on clones of what it writes)
-            if _is_random(node) or not _known(node):
+            target = node.target
+            refused = _REFUSED_TARGETS.get(target) if node.op == "call_function" and \
+                isinstance(target, torch._ops.OpOverload) else None  # (an op call's: a property of its op)
+            if refused is None:
+                refused = _is_random(node) or not _known(node)
+                if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
+                    _REFUSED_TARGETS[target] = refused
+            if refused:
                 what = "random" if _is_random(node) else "opaque"
                 raise Unvalidatable(f"{describe(node)} is {what}: validation never runs such an op")
         original, replacement = set(self.original), set(self.inserted)
@@ -417,7 +428,10 @@ class _Validation:
                 encoded = torch.fx.node.map_aggregate((node.args, node.kwargs), encode)
             except (_NoSignature, KeyError):
                 return None
-            parts.append((str(node.target), repr(encoded)))
+            name = _TARGET_NAMES.get(node.target)
+            if name is None:
+                name = _TARGET_NAMES[node.target] = str(node.target)
+            parts.append((name, repr(encoded)))
         parts.append(tuple((index.get(old), index.get(new)) for old, new in self.outputs.items()))
         return tuple(parts)
 
@@ -494,8 +508,9 @@ def _plan_inputs(reads: list, replacement: frozenset = frozenset()) -> tuple:
     kinds: dict = {}
 
     def kind(node: Node, depth: int) -> str:  # "const", "size", "linked" (computed from a read) or "free"
-        if node in kinds:
-            return kinds[node]
+        found = kinds.get(node)
+        if found is not None:
+            return found
         if node.op == "get_attr":
             result = "const"
         elif node.op == "placeholder" and _is_size(node):
@@ -503,9 +518,11 @@ def _plan_inputs(reads: list, replacement: frozenset = frozenset()) -> tuple:
         elif not _runnable(node) or (depth > BRIDGE_HOPS and node not in replacement):
             result = "free"
         else:
-            sub = ["linked" if i in reads_set else kind(i, depth + 1) for i in node.all_input_nodes]
-            result = "linked" if "linked" in sub else "free" if "free" in sub else \
-                "size" if _is_size(node) else "const"
+            linked = free = False
+            for i in node.all_input_nodes:  # (every input's kind found, in order: the memo is filled alike)
+                sub = "linked" if i in reads_set else kind(i, depth + 1)
+                linked, free = linked or sub == "linked", free or sub == "free"
+            result = "linked" if linked else "free" if free else "size" if _is_size(node) else "const"
         kinds[node] = result
         return result
 

@@ -277,6 +277,50 @@ def test_a_fused_op_fake_value_without_the_dispatch_still_runs_the_ops_argument_
     assert str(direct.value) == str(dispatched.value) and "even" in str(direct.value)
 
 
+def _static_fake_mode_and(*tensors):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    return mode, [mode.from_tensor(t) for t in tensors]
+
+
+def test_a_fused_op_call_of_known_metadata_gets_fresh_values_of_the_kernels_metadata(monkeypatch):
+    """The outcomes of one run: a second call with the same argument metadata (the next layer's
+    rewrite) does not run the kernel, and gets new tensors (no alias of the first call's outputs)."""
+    mode, (x, w, y) = _static_fake_mode_and(torch.randn(2, 4, 16), torch.randn(16), torch.randn(2, 4, 16))
+    op, outcomes = torch.ops.npu_fuse.add_rms_norm.default, {}
+    first = fusion.fake_value(mode, op, (x, y, w, 1e-6), {}, outcomes)
+    assert len(outcomes) == 1
+    with mode:
+        expected = op(x, y, w, 1e-6)
+    calls, direct = [], fusion._direct_fake_kernel
+    monkeypatch.setattr(fusion, "_direct_fake_kernel", lambda *a: calls.append(a) or direct(*a))
+    again = fusion.fake_value(mode, op, (y, x, w, 1e-6), {}, outcomes)
+    other_eps = fusion.fake_value(mode, op, (x, y, w, 1e-5), {}, outcomes)
+    assert len(calls) == 1 and len(outcomes) == 2  # (another epsilon is another call)
+    assert type(again) is tuple and _meta(again) == _meta(first) == _meta(expected) == _meta(other_eps)
+    storages = {t.untyped_storage()._cdata for t in (*first, *again, x, y, w)}
+    assert len(storages) == 9 and all(t.fake_mode is mode for t in again)
+
+
+def test_a_refused_fused_op_call_is_refused_again_with_the_same_reason():
+    mode, (x, t) = _static_fake_mode_and(torch.randn(2, 4, 8, 15), torch.randn(2, 1, 8, 15))
+    op, outcomes = torch.ops.npu_fuse.rotary_mul.default, {}
+    reasons = []
+    for _ in range(2):
+        with pytest.raises(ValueError) as refused:
+            fusion.fake_value(mode, op, (x, t, t, "half"), {}, outcomes)
+        reasons.append(str(refused.value))
+    assert len(outcomes) == 1 and reasons[0] == reasons[1] and "even" in reasons[0]
+
+
+def test_a_fused_op_call_of_symbolic_sizes_always_runs_the_kernel():
+    mode, (x, w) = _fake_mode_and(torch.randn(4, 16), torch.randn(16))
+    outcomes = {}
+    y, rstd = fusion.fake_value(mode, torch.ops.npu_fuse.rms_norm.default, (x, w, 1e-6), {}, outcomes)
+    assert outcomes == {} and isinstance(y.shape[0], torch.SymInt) and rstd.shape[0] == y.shape[0]
+
+
 @pytest.mark.parametrize("call", [
     (torch.ops.npu_fuse.rms_norm.default, lambda x, w: ((x, w, 1), {})),  # an int for a float: converted
     (torch.ops.npu_fuse.rms_norm.default, lambda x, w: ((x, w, True), {})),  # a bool for a float: converted
