@@ -7,7 +7,10 @@ each would otherwise be a special case in every matcher that reads through it:
   shape, identity permutes (``torch.vmap`` leaves them), casts to x's own dtype and clones
   that keep x's strides -> x;
 - identical pure views of one tensor (``x[..., :r]`` written twice, two ``split``\\ s of
-  the same tensor) -> one node.
+  the same tensor) -> one node;
+- the Scalar overloads of multiply and divide (``mul.Scalar``, which autograd's formulas write,
+  e.g. ``baddbmm``'s backward of ``alpha``) -> their Tensor overloads with the same number,
+  the form every matcher reads (one meaning: a wrapped number promotes as a Scalar does).
 
 The graph is functionalized (values are never mutated in place), so these edits keep
 its meaning. A node that is a graph output is never removed: AOTAutograd has already
@@ -34,6 +37,7 @@ DEDUPLICATED = (aten.slice.Tensor, aten.select.int, aten.view.default, aten._uns
 PERMUTES = (aten.permute.default, aten.transpose.int, aten.t.default)
 _MAYBE_NOOP = {id(t) for t in (aten.slice.Tensor, *RESHAPES, *CASTS, *PERMUTES)}  # by id: OpOverloads hash slowly
 _DEDUPLICATED = {id(t) for t in DEDUPLICATED}
+_SCALAR_OVERLOADS = {id(aten.mul.Scalar): aten.mul.Tensor, id(aten.div.Scalar): aten.div.Tensor}
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -72,7 +76,12 @@ def canonicalize(graph: Graph) -> int:
     seen: dict = {}
     removed = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node in outputs:
+        if node.op != "call_function":
+            continue
+        if id(node.target) in _SCALAR_OVERLOADS:
+            node.target = _SCALAR_OVERLOADS[id(node.target)]
+            continue
+        if node in outputs:
             continue
         if _is_noop(node):
             node.replace_all_uses_with(node.args[0])

@@ -140,6 +140,13 @@ def _phi3_longrope(layers: int):
                                    rope_parameters=scaling)
 
 
+def _bloom(layers: int):
+    import transformers
+
+    return transformers.BloomConfig(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=layers, n_head=HEADS,
+                                    attention_dropout=0.0, hidden_dropout=0.0)
+
+
 def _qwen_vl(name: str):
     def make(layers: int):
         import transformers
@@ -228,6 +235,9 @@ FAMILIES = [
            {**ROPE, **NORMS}, TRAINING, FIRST_NORM),
     Family("qwen2_5-vl (M-RoPE sections)", _qwen_vl("Qwen2_5_VLConfig"), "Qwen2_5_VLForConditionalGeneration",
            {**ROPE, **NORMS}, TRAINING, FIRST_NORM),
+    # no RoPE: ALiBi; its scores are ``baddbmm(alibi, q, k, alpha=1/sqrt(d))``, whose backward scales both
+    # matmuls of the softmax backward: the scale moves in front of them
+    Family("bloom (ALiBi, baddbmm's alpha)", _bloom, "BloomForCausalLM", {}, SOFTMAX_BACKWARD),
 ]
 BY_NAME = {f.name.split(" ")[0]: f for f in FAMILIES}
 

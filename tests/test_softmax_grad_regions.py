@@ -267,3 +267,77 @@ def test_a_shared_value_computed_from_the_chain_blocks_the_fusion(shared):
 def test_shared_neg_through_the_backend():
     out, reports = compile_fused(two_chains_sharing_neg, torch.randn(4, 16), torch.randn(4, 16), probs(4, 16))
     assert fused_ops(reports) == ["softmax_grad_ext"] * 2
+
+
+# -- a scale applied after the matmuls (baddbmm's alpha) -------------------------------------------------
+bmm = torch.ops.aten.bmm
+
+
+def baddbmm_attention(q, k, v):
+    """Bloom-style scores, ``baddbmm(zeros, q, k^T, beta=0, alpha=1/sqrt(d))``: the backward scales the
+    two matmuls of the softmax backward (``mul.Scalar(bmm(ds, k), alpha)`` and ``q^T``'s), never ds."""
+    zeros = torch.zeros(q.shape[0], q.shape[1], k.shape[1], dtype=q.dtype)
+    scores = torch.baddbmm(zeros, q, k.transpose(1, 2), beta=0.0, alpha=0.125)
+    return torch.bmm(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast-bf16"])
+def test_a_scale_after_both_matmuls_of_the_softmax_backward_moves_in_front(autocast):
+    tensors = [torch.randn(6, 16, 8) for _ in range(3)]
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        got, eager, reports = train(baddbmm_attention, *tensors)
+    (match,) = backward_matches(reports)
+    assert "bmm" in match.detail.split("scale moved in front of ")[1] and "(the same scale) taken by it too" in match.detail
+    assert not [n for r in reports for n in r.near_misses], [n.reason for r in reports for n in r.near_misses]
+    for a, b in zip(got, eager):
+        assert_close(a, b)
+
+
+def test_mul_scalar_is_a_scale_multiply():
+    """autograd writes ``mul.Scalar`` (canonicalized to ``mul.Tensor``) for some scales."""
+    def backward(g, p):
+        return torch.ops.aten.mul.Scalar(sbd(g, p, -1, torch.float32), 0.25)
+
+    g, p = torch.randn(4, 16), probs(4, 16)
+    gm, report = fused_graph(backward, g, p)
+    assert [m.op for m in report.matches] == ["softmax_grad_ext"]
+    assert_close(gm(g, p), backward(g, p))
+
+
+def test_matmuls_scaled_apart_are_a_near_miss():
+    def backward(g, p, k, q):
+        ds = sbd(g, p, -1, torch.float32)
+        return bmm(ds, k) * 0.125, bmm(q.transpose(1, 2), ds) * 0.25
+
+    g, p, k, q = torch.randn(2, 8, 8), probs(2, 8, 8), torch.randn(2, 8, 4), torch.randn(2, 8, 4)
+    gm, report = fused_graph(backward, g, p, k, q)
+    assert not report.matches
+    assert report.near_misses, "the softmax backward must be reported"
+    for a, b in zip(gm(g, p, k, q), backward(g, p, k, q)):
+        assert_close(a, b)
+
+
+def test_a_product_of_the_softmax_backward_with_itself_is_not_linear():
+    def backward(g, p):
+        ds = sbd(g, p, -1, torch.float32)
+        return bmm(ds, ds.transpose(1, 2)) * 0.125
+
+    g, p = torch.randn(2, 8, 8), probs(2, 8, 8)
+    gm, report = fused_graph(backward, g, p)
+    assert not report.matches
+    assert report.near_misses, "the softmax backward must be reported"
+    assert_close(gm(g, p), backward(g, p))
+
+
+def test_a_query_scaled_before_its_matmul_leaves_the_softmax_backward_unscaled():
+    """Whisper/BART scale q, not the scores: the key's gradient reads ds unscaled, and giving it back
+    from a scaled ds costs what the fusion saves."""
+    def attention(q, k, v):
+        return torch.softmax((q * 0.125) @ k.transpose(-1, -2), dim=-1) @ v
+
+    got, eager, reports = train(attention, *[torch.randn(2, 4, 16, 8) for _ in range(3)])
+    assert not backward_matches(reports)
+    reasons = [n.reason for r in reports for n in r.near_misses]
+    assert any("also read unscaled" in r and "costs 1024 elements, as many as the 1024" in r for r in reasons), reasons
+    for a, b in zip(got, eager):
+        assert_close(a, b)

@@ -22,6 +22,11 @@ any order; ``x2`` a Python scalar, a scalar-like tensor, or a tensor of grad's s
   subtracted row max read off the same row) and two softmax backwards summed before one
   scale. A region value also read elsewhere unscaled (the sink's gradient) is given back as the
   scaled value times 1/s, where that costs fewer elements than the multiply the fusion removes.
+  A matmul is linear in the one operand computed from the softmax backward (``mm``, ``bmm``; the
+  other must not be): ``baddbmm(bias, q, k^T, alpha=s)`` (Bloom) leaves both matmuls of the softmax
+  backward, ``ds @ k`` and ``q^T @ ds``, each times s; the scale moves in front of both, and a region
+  value read only by multiplies by the same scale gives them its scaled value (a view it reads after
+  the scale's multiply is made again before it).
 
 Precision: the fused op computes in the softmax backward's own dtype (float32 for
 ``softmax(..., dtype=float32)`` and autocast), the casts after it stay outside it and are
@@ -271,16 +276,20 @@ def _float_cast(node: Node) -> bool:
     return source.is_floating_point() and result.is_floating_point() and source.device == result.device
 
 
-LINEAR_TARGETS = frozenset((*UNARY_LINEAR, *DTYPE_CASTS, aten.add.Tensor, aten.sub.Tensor, aten.scatter.src,
-                            aten.scatter_add.default, aten.slice_scatter.default, aten.cat.default,
+MATMULS = (aten.bmm.default, aten.mm.default)
+LINEAR_TARGETS = frozenset((*UNARY_LINEAR, *DTYPE_CASTS, *MATMULS, aten.add.Tensor, aten.sub.Tensor,
+                            aten.scatter.src, aten.scatter_add.default, aten.slice_scatter.default, aten.cat.default,
                             aten.copy.default))
+LATE_VIEWS = (*VIEWS, aten.permute.default, aten.transpose.int, aten.t.default, aten.unsqueeze.default,
+              aten.expand.default, aten.slice.Tensor, aten.select.int)  # pure views a replacement may make again
 CORE_TARGETS = frozenset((aten._softmax_backward_data.default, FMA, aten.sub.Tensor, aten.mul.Tensor))
 
 
 def linear_operands(node) -> Optional[list]:
     """[(operand, role)] when node is linear in its "linear" operands (each a linear value or zeros)
     and computed with "free" ones that must not depend on them ("layout": only the layout is read,
-    a linear value or a fill); None for any other op."""
+    a linear value or a fill; "either": a matmul, linear in the one of its operands that is linear,
+    the other free: see ``resolved``); None for any other op."""
     if not isinstance(node, Node) or node.op != "call_function" or node.target not in LINEAR_TARGETS \
             or not isinstance(val(node), torch.Tensor):
         return None
@@ -303,11 +312,40 @@ def linear_operands(node) -> Optional[list]:
         return [(args[0], "linear"), (args[1], "linear")]
     if is_call(node, aten.cat.default) and all(isinstance(a, Node) for a in args[0]):
         return [(a, "linear") for a in args[0]]
+    if is_call(node, *MATMULS) and len(args) == 2 and all(isinstance(a, Node) for a in args) and not node.kwargs:
+        return [(args[0], "either"), (args[1], "either")]
     if is_call(node, aten.copy.default) and len(args) == 2 and all(isinstance(a, Node) for a in args) \
             and not node.kwargs and val(args[1]).is_floating_point():
         # functional copy_: src's values (cast to dst's dtype) in dst's layout; dst's values are overwritten
         return [(args[0], "layout"), (args[1], "linear")]
     return None
+
+
+def resolved(spec: Optional[list], linear) -> Optional[list]:
+    """spec with a matmul's roles decided by ``linear(operand)``: the linear operand linear, the
+    other free; None where both are (a product of two scaled values is scaled twice) or neither."""
+    if not spec or spec[0][1] != "either":
+        return spec
+    flags = [bool(linear(op)) for op, _ in spec]
+    if flags.count(True) != 1:
+        return None
+    return [(op, "linear" if flag else "free") for (op, _), flag in zip(spec, flags)]
+
+
+def same_scale_multiply(node: Node, value: Node, scale, inverted: bool) -> bool:
+    """node is ``value * scale`` (``value / scale``) for the region's scale, at value's shape."""
+    if inverted:
+        other = node.args[1] if is_call(node, aten.div.Tensor) and len(node.args) == 2 and node.args[0] is value \
+            else None
+    else:
+        operands = binary_operands(node, aten.mul.Tensor)
+        other = _other(operands, value) if operands is not None else None
+    if other is None or not shape_eq(val(node).shape, val(value).shape):
+        return False
+    if isinstance(scale, Node) or isinstance(other, Node):
+        return other is scale
+    return isinstance(other, Scalar) and isinstance(scale, Scalar) and not isinstance(other, bool) \
+        and not isinstance(scale, bool) and other == scale
 
 
 def is_fill(node, role: str) -> bool:
@@ -327,6 +365,8 @@ class Region:
     scale: Any = None  # y's other operand
     copies: list = dataclasses.field(default_factory=list)  # copy(region view, y): each equals y
     inverted: bool = False  # y divides by scale
+    rescaled: dict = dataclasses.field(default_factory=dict)  # region value -> its multiplies by the scale
+    remade: list = dataclasses.field(default_factory=list)  # views read after y, made again before it
 
     def core_nodes(self) -> list:
         return [n for core in self.cores.values() for n in core.nodes]
@@ -360,7 +400,7 @@ class SoftmaxGradFusion(FusionPass):
             raise NotFused(_sdpa_reason(anchor), near=_traced_neighbours(anchor))
         if anchor.target not in self.anchor_targets:
             return self._silent_site(ctx, anchor)
-        if len(anchor.args) != 2:
+        if len(anchor.args) != 2 or self._covered_by_another(ctx, anchor):
             return None
         chain = self._match_softmax_backward_data(anchor) or self._match_decomposed(anchor) or \
             self._match_through_layout(anchor)
@@ -381,6 +421,11 @@ class SoftmaxGradFusion(FusionPass):
         covered = getattr(self, "_covered", None)
         if covered is not None and covered[0] is ctx:
             covered[1].update(nodes)
+
+    def _covered_by_another(self, ctx: PassContext, anchor: Node) -> bool:
+        """A scale multiply an earlier anchor's region takes (a matmul's other output times the scale)."""
+        covered = getattr(self, "_covered", None)
+        return covered is not None and covered[0] is ctx and anchor in covered[1]
 
     # -- patterns ---------------------------------------------------------------------
     def _match_through_layout(self, y: Node) -> Optional[SoftmaxBackward]:
@@ -562,7 +607,7 @@ class SoftmaxGradFusion(FusionPass):
             for user in list(node.users):
                 if user in inside or user is y or is_fill(user, "layout"):
                     continue
-                spec = linear_operands(user)
+                spec = resolved(linear_operands(user), inside.__contains__)
                 if spec is None:
                     continue
                 fills = [op for op, role in spec if role != "free" and op not in inside and is_fill(op, role)]
@@ -571,9 +616,11 @@ class SoftmaxGradFusion(FusionPass):
                            for op, role in spec):
                     continue
                 # the replacement is built before y: what the grown node reads from outside must exist there
-                reads = [op for op in user.all_input_nodes if op not in inside]
-                if any(ctx.position(op) > ctx.position(y) for op in reads):
+                late = [op for op in user.all_input_nodes if op not in inside and ctx.position(op) > ctx.position(y)]
+                if not all(is_call(op, *LATE_VIEWS) and all(ctx.position(i) < ctx.position(y)
+                                                            for i in op.all_input_nodes) for op in late):
                     continue
+                region.remade += [op for op in late if op not in region.remade]
                 for added in [*(f for f in fills if any(i in inside for i in f.all_input_nodes)), user]:
                     inside.add(added)
                     region.nodes.append(added)
@@ -583,13 +630,19 @@ class SoftmaxGradFusion(FusionPass):
         members = {*region.nodes, *region.cores}
         # copies writing y back into a region view (the functional form of ``scores *= s``) equal y
         region.copies = written_back(y, LayoutPath(region.operand, region.nodes))
-        region.exits = [n for n in sorted(members, key=ctx.position)
-                        if any(u not in members and u is not y and u not in region.copies for u in n.users)]
+        exits = [n for n in sorted(members, key=ctx.position)
+                 if any(u not in members and u is not y and u not in region.copies for u in n.users)]
+        for node in exits:  # read only by multiplies by the scale (a matmul's other output, ``baddbmm``'s alpha)
+            readers = [u for u in node.users if u not in members and u is not y and u not in region.copies]
+            if all(same_scale_multiply(u, node, scale, inverted) and u not in members
+                   and all(ctx.position(r) > ctx.position(y) for r in u.users) for u in readers):
+                region.rescaled[node] = readers
+        region.exits = [n for n in exits if n not in region.rescaled]
         region.scale, region.inverted = scale, inverted
         return region
 
     def _check_and_rewrite_region(self, ctx: PassContext, y: Node, region: Region) -> Rewrite:
-        self._cover(ctx, [*region.core_nodes(), *region.nodes])
+        self._cover(ctx, [*region.core_nodes(), *region.nodes, *(u for r in region.rescaled.values() for u in r)])
         x2 = scalar_like(region.scale)
         inverted = region.inverted
         cores = region.cores
@@ -615,7 +668,8 @@ class SoftmaxGradFusion(FusionPass):
         if not _leading_ones_of(val(y).shape, operand.shape):
             raise NotFused(f"the result has shape {list(val(y).shape)} (x2 {_shape_of(scale)} broadcasts it), "
                            f"but the ops after softmax_grad_ext give shape {list(operand.shape)}")
-        self._check_rounding(region, [(y, region.operand), *((e, e) for e in region.exits)])
+        self._check_rounding(region, [(y, region.operand), *((e, e) for e in region.exits),
+                                      *((u, e) for e, readers in region.rescaled.items() for u in readers)])
         factor = self._check_exits(region, y, x2, inverted)
         inside = {*region.nodes, *region.cores}
         for exit_node in region.exits:  # the replacement is built before y: every reader must come after it
@@ -629,14 +683,17 @@ class SoftmaxGradFusion(FusionPass):
             if cycle is not None:
                 raise NotFused(f"x2 depends on {describe(cycle)} of the chain: fusing would make the op depend "
                                "on its own output")
-        outputs = [y, *region.copies, *region.exits]
-        nodes = _without_shared([*region.core_nodes(), *region.nodes], outputs)
+        rescalings = [u for readers in region.rescaled.values() for u in readers]
+        outputs = [y, *region.copies, *region.exits, *rescalings]
+        nodes = _without_shared([*region.core_nodes(), *region.nodes, *rescalings], outputs)
         leaked = users_outside(nodes, outputs)
         if leaked is not None:
             raise NotFused(_leak_reason(leaked))
 
         def build(b: GraphBuilder) -> dict:
             env = {}
+            for view in region.remade:  # (read by the region after y: made again from what precedes y)
+                env[view] = b.call(view.target, *view.args, **view.kwargs)
             for node, core in cores.items():
                 grad = val(core.grad)
                 fused_scale = self._scale_arg(b, x2, inverted, grad)
@@ -655,12 +712,16 @@ class SoftmaxGradFusion(FusionPass):
             replaced = {y: out, **{copy: out for copy in region.copies}}
             for node in region.exits:
                 replaced[node] = b.call(aten.mul.Tensor, env[node], factor)
+            for node, readers in region.rescaled.items():
+                replaced.update((u, b.cast(env[node], val(u).dtype)) for u in readers)
             return replaced
 
         ops = sorted({getattr(n.target, "__name__", str(n.target)).split(".")[0] for n in region.nodes})
         detail = f"{' + '.join(c.form for c in cores.values())}, scale moved in front of {', '.join(ops)}"
         if region.exits:
             detail += f"; {', '.join(e.name for e in region.exits)} given back unscaled (x 1/scale)"
+        if rescalings:
+            detail += f"; {', '.join(u.name for u in rescalings)} (the same scale) taken by it too"
         return Rewrite(y, [*nodes, *region.copies], self.op, build, detail=detail)
 
     @staticmethod
@@ -678,8 +739,9 @@ class SoftmaxGradFusion(FusionPass):
                 grad = val(region.cores[node].grad).dtype
                 found = max(found, (torch.finfo(grad).eps, node), key=lambda f: f[0])
             elif node in region.nodes or node is region.operand:
-                for operand, role in linear_operands(node) or ():
-                    if role == "linear" and (operand in region.nodes or operand in region.cores):
+                inside = lambda n: n in region.nodes or n in region.cores  # noqa: E731
+                for operand, role in resolved(linear_operands(node), inside) or ():
+                    if role == "linear" and inside(operand):
                         found = max(found, coarsest(operand), key=lambda f: f[0])
             widest[node] = found
             return found
@@ -710,8 +772,9 @@ class SoftmaxGradFusion(FusionPass):
         cost, saved = sum(_numel(e) or 0 for e in region.exits), _numel(y) or 0
         if cost >= saved:
             users = ", ".join(describe(u) for e in region.exits for u in e.users if u not in region.nodes and u is not y)
+            than = "as many as" if cost == saved else "more than"
             raise NotFused(f"{names} is also read unscaled by {users}: giving it back from the scaled result "
-                           f"costs {cost} elements, more than the {saved} of the multiply the fusion removes")
+                           f"costs {cost} elements, {than} the {saved} of the multiply the fusion removes")
         return factor
 
     @staticmethod
@@ -860,7 +923,7 @@ class _RegionWalk:
         elif is_zero_fill(node):
             result = True
         else:
-            spec = linear_operands(node)
+            spec = resolved(linear_operands(node), self.linear)
             result = spec is not None and all(self._operand(op, role) for op, role in spec)
         self.known[node] = result
         return result
@@ -887,7 +950,7 @@ class _RegionWalk:
                 fills.append(node)
             else:
                 members.append(node)
-                for op, role in linear_operands(node):
+                for op, role in resolved(linear_operands(node), self.known.get):
                     (free if role == "free" else stack).append(op)
         inside = {*members, *cores}
         members += [f for f in fills if any(i in inside for i in f.all_input_nodes)]
@@ -908,7 +971,7 @@ def _unscaled_reason(ctx: PassContext, core: Node) -> str:
         for user in node.users:
             if user in seen or is_fill(user, "layout"):  # reads only its dtype and device
                 continue
-            spec = linear_operands(user)
+            spec = resolved(linear_operands(user), seen.__contains__)
             if spec is not None and all(op in seen or is_zero_fill(op) for op, role in spec if role == "linear"):
                 seen.add(user)
                 frontier.append(user)
