@@ -71,15 +71,17 @@ def _is_noop(node: Node) -> bool:
 
 
 def canonicalize(graph: Graph) -> int:
-    """Remove no-op nodes and merge duplicate views, in place; returns how many nodes went."""
+    """Remove no-op nodes, merge duplicate views and retarget Scalar overloads, in place; returns how
+    many nodes went or changed."""
     outputs = {n for n in graph.nodes if n.op == "output" for n in n.all_input_nodes}
     seen: dict = {}
-    removed = 0
+    changed = 0
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
         if id(node.target) in _SCALAR_OVERLOADS:
             node.target = _SCALAR_OVERLOADS[id(node.target)]
+            changed += 1
             continue
         if node in outputs:
             continue
@@ -97,5 +99,5 @@ def canonicalize(graph: Graph) -> int:
         else:
             continue
         graph.erase_node(node)
-        removed += 1
-    return removed
+        changed += 1
+    return changed

@@ -65,6 +65,18 @@ def test_a_graph_output_is_never_canonicalized_away():
     assert kept.graph is gm.graph and output.args[0][0] is kept
 
 
+def test_scalar_overloads_become_the_tensor_overloads_every_matcher_reads():
+    def fn(x):
+        return aten.div.Scalar(aten.mul.Scalar(x, 0.125), 3)
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(3, 8))
+    assert canonicalize(gm.graph) == 2
+    gm.recompile()
+    assert targets(gm) == [aten.mul.Tensor, aten.div.Tensor]
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(gm(x), fn(x), rtol=0, atol=0)
+
+
 def test_clone_that_changes_strides_stays():
     def fn(x):
         return x.transpose(0, 1).clone(memory_format=torch.contiguous_format).view(-1) + 1
