@@ -58,9 +58,11 @@ CASES = {  # name: (function maker, inputs, training, {soc: {graph kind: fused o
     # B1ND, B11D, 111D): there the rotation of the slice fuses alone
     "gptj-inference": (gptj, hidden, False, {"generic": {"inference": PARTIAL}, "Ascend910B": {"inference": PARTIAL},
                                              "Ascend950": {"inference": ["rotary_mul"] * 2}}),
+    # (its scaled_dot_product_attention decomposes to q and k each scaled by sqrt(scale): both matmuls of
+    # the softmax backward carry that scale, which moves in front of them into SoftmaxGradExt, Ascend950's)
     "gptj-training": (gptj, hidden, True, {
         **{soc: {"forward": PARTIAL, "backward": ["rotary_mul_backward"] * 2} for soc in ("generic", "Ascend910B")},
-        "Ascend950": ROPE_TRAIN}),
+        "Ascend950": {**ROPE_TRAIN, "backward": ["rotary_mul_backward"] * 2 + ["softmax_grad_ext"]}}),
     # InterleaveRope is A2/A3's, mode 3 Ascend950's (no op on every SoC: generic does not fuse it);
     # A2/A3 have no gradient op: training fuses on Ascend950 only
     "deepseek-v3-inference": (deepseek_v3_rope, deepseek_v3_inputs(), False, {
