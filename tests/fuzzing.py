@@ -334,15 +334,28 @@ def softmax_program(rng: random.Random, g: torch.Generator, lookalike: bool) -> 
 
 
 def attention_program(rng: random.Random, g: torch.Generator, lookalike: bool) -> Program:
-    """Training attention: AOTAutograd writes softmax backward as ``_softmax_backward_data * scale``."""
+    """Training attention: AOTAutograd writes softmax backward as ``_softmax_backward_data * scale``, or,
+    with the scale inside the matmul (``baddbmm``'s alpha, q and k each scaled by its square root as
+    SDPA's math decomposition does), both matmuls of the softmax backward times one scale. The
+    look-alike scales q only (Whisper, BART): the key's gradient reads the softmax backward unscaled."""
     dtype = rng.choice([torch.float32, torch.bfloat16])
-    scaling = rng.choice(["mul", "div"])
+    scaling = "q only" if lookalike else rng.choice(["mul", "div", "baddbmm alpha", "q and k by its root"])
     d = rng.choice([8, 16])
     values = rng.choice(VALUE_CLASSES)
 
     def fn(q, k, v):
-        scores = q @ k.transpose(-1, -2)
-        scores = scores * (d ** -0.5) if scaling == "mul" else scores / d ** 0.5
+        if scaling == "baddbmm alpha":
+            q3, k3 = q.flatten(0, 1), k.flatten(0, 1)
+            zeros = torch.zeros(q3.shape[0], q3.shape[1], k3.shape[1], dtype=q.dtype)
+            scores = torch.baddbmm(zeros, q3, k3.transpose(1, 2), beta=0.0, alpha=d ** -0.5).view(
+                *q.shape[:2], q.shape[2], k.shape[2])
+        elif scaling == "q and k by its root":
+            scores = (q * d ** -0.25) @ (k * d ** -0.25).transpose(-1, -2)
+        elif scaling == "q only":
+            scores = (q * d ** -0.5) @ k.transpose(-1, -2)
+        else:
+            scores = q @ k.transpose(-1, -2)
+            scores = scores * (d ** -0.5) if scaling == "mul" else scores / d ** 0.5
         return torch.softmax(scores, dim=-1) @ v
 
     def make_inputs():
@@ -355,7 +368,8 @@ def attention_program(rng: random.Random, g: torch.Generator, lookalike: bool) -
 
     return Program(f"training attention ({scaling} by scale) {str(dtype)[6:]}"
                    f"{'' if values == 'normal' else ', ' + values + ' values'}", "softmax_grad", fn, make_inputs,
-                   must_fuse="softmax_grad_ext", grad_args=(0, 1, 2))
+                   must_fuse=None if lookalike else "softmax_grad_ext",
+                   must_not_fuse="softmax_grad_ext" if lookalike else None, grad_args=(0, 1, 2))
 
 
 # -- MLA prologue ------------------------------------------------------------------------------------
