@@ -971,8 +971,9 @@ def _unscaled_reason(ctx: PassContext, core: Node) -> str:
         for user in node.users:
             if user in seen or is_fill(user, "layout"):  # reads only its dtype and device
                 continue
-            spec = resolved(linear_operands(user), seen.__contains__)
-            if spec is not None and all(op in seen or is_zero_fill(op) for op, role in spec if role == "linear"):
+            spec = linear_operands(user)  # (a matmul ends the way: "mm_3 reads it" says more than what is past it)
+            if spec is not None and spec[0][1] != "either" and \
+                    all(op in seen or is_zero_fill(op) for op, role in spec if role == "linear"):
                 seen.add(user)
                 frontier.append(user)
             else:
