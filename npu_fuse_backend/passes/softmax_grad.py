@@ -634,8 +634,8 @@ class SoftmaxGradFusion(FusionPass):
                  if any(u not in members and u is not y and u not in region.copies for u in n.users)]
         for node in exits:  # read only by multiplies by the scale (a matmul's other output, ``baddbmm``'s alpha)
             readers = [u for u in node.users if u not in members and u is not y and u not in region.copies]
-            if all(same_scale_multiply(u, node, scale, inverted) and u not in members
-                   and all(ctx.position(r) > ctx.position(y) for r in u.users) for u in readers):
+            if all(same_scale_multiply(u, node, scale, inverted) and all(ctx.position(r) > ctx.position(y)
+                                                                          for r in u.users) for u in readers):
                 region.rescaled[node] = readers
         region.exits = [n for n in exits if n not in region.rescaled]
         region.scale, region.inverted = scale, inverted
