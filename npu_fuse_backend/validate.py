@@ -1570,12 +1570,11 @@ def _difference(expected: Any, got: Any, probe: str = "uniform", exact: Any = No
             return None
         wrong = (expected != got).sum().item()
         return f"has {wrong} of {expected.numel()} integer values different"
-    if torch.equal(expected, got):
+    if torch.equal(expected, got) or _same_bits(expected, got):  # (the second: equal NaNs too)
         return None
-    e_finite, g_finite = torch.isfinite(expected), torch.isfinite(got)
-    if bool(e_finite.all()) and bool(g_finite.all()):
-        del e_finite, g_finite
+    if _all_finite(expected) and _all_finite(got):
         return _beyond_tolerance(expected, got, probe, exact, finite=True)
+    e_finite, g_finite = torch.isfinite(expected), torch.isfinite(got)
     lost = int((e_finite & ~g_finite).sum())
     if lost:
         return f"is finite at {lost} of {expected.numel()} elements where the replacement is not"
@@ -1594,6 +1593,28 @@ def _difference(expected: Any, got: Any, probe: str = "uniform", exact: Any = No
         del e_special, g_special
     del e_finite, g_finite
     return _beyond_tolerance(expected, got, probe, exact)
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(expected: torch.Tensor, got: torch.Tensor) -> bool:
+    """Every element of got is the very value of expected's (NaNs where it has NaNs): no probe can find
+    a difference then."""
+    bits = _BITS.get(expected.element_size())
+    if bits is None or expected.is_neg() or got.is_neg():
+        return False
+    try:
+        return torch.equal(expected.view(bits), got.view(bits))
+    except RuntimeError:  # (a layout that cannot be viewed so: compared by value)
+        return False
+
+
+def _all_finite(values: torch.Tensor) -> bool:
+    """No element is NaN or infinite: the sum is finite (one pass, cheaper than ``isfinite``), or, where
+    the sum overflows, every element is."""
+    wide = torch.float64 if values.dtype == torch.float64 else torch.float32
+    return bool(torch.isfinite(values.sum(dtype=wide))) or bool(torch.isfinite(values).all())
 
 
 def _beyond_tolerance(expected: torch.Tensor, got: torch.Tensor, probe: str, exact: Any,
@@ -1626,13 +1647,21 @@ def _beyond_tolerance(expected: torch.Tensor, got: torch.Tensor, probe: str, exa
     bad, worst, worst_at, largest = 0, 0.0, None, 0.0
     for e, g, x in blocks:
         e, g = e.to(precise), g.to(precise)
-        compared = torch.isfinite(e)
+        compared = None if finite else torch.isfinite(e)
         if not finite:
             e, g = torch.where(compared, e, 0), torch.where(compared, g, 0)
         scale = e.pow(2).mean(-1, keepdim=True).sqrt_()  # the rms of each element's last-dim row
         if probe != "magnitudes":  # (the magnitudes probe scales blocks apart: each row is its own scale)
             scale.clamp_(min=everything)
         err = (e - g).abs_()
+        if not err.numel():
+            continue
+        block_largest = float(err.max())
+        if block_largest <= 0.5 * absolute * eps * float(scale.min()):  # within every element's tolerance by
+            largest = max(largest, block_largest)  # half its smallest part: none of the block differs
+            continue
+        if compared is None:
+            compared = torch.isfinite(e)
         slack = err - e.abs().mul_(rel * eps) - scale * (absolute * eps)
         if probe == "magnitudes":  # large values lose digits to cancellation in any kernel: a relative floor
             slack -= scale * MAGNITUDES_RTOL
@@ -1645,7 +1674,7 @@ def _beyond_tolerance(expected: torch.Tensor, got: torch.Tensor, probe: str, exa
             value, where = slack.reshape(-1).max(0)
             if worst_at is None or float(value) > worst:
                 worst, worst_at = float(value), (float(e.reshape(-1)[where]), float(g.reshape(-1)[where]))
-        largest = max(largest, float(err.max())) if err.numel() else largest
+        largest = max(largest, block_largest)
     if bad:
         return (f"differs at {bad} of {expected.numel()} elements (by up to {largest:.3g}; "
                 f"e.g. {worst_at[0]:.4g} vs {worst_at[1]:.4g}, {expected.dtype})")
