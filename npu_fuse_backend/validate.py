@@ -297,19 +297,24 @@ def _uninitialized(node: Node) -> bool:
 def _runnable(node: Node) -> bool:
     """A node the bridge may run: a known op (below) that neither draws random numbers nor mutates."""
     target = node.target
-    if node.op != "call_function" or isinstance(target, torch._ops.HigherOrderOperator):
+    if node.op != "call_function":
+        return _runnable_node(node)
+    found = _RUNNABLE_TARGETS.get(id(target))  # the other calls': a property of their target alone
+    if found is not None and found[0] is target:
+        return found[1]
+    if isinstance(target, torch._ops.HigherOrderOperator):
         return _runnable_node(node)  # (what a higher-order op runs is among its arguments)
-    found = _RUNNABLE_TARGETS.get(target)  # the other calls': a property of their target alone
-    if found is None:
-        found = _RUNNABLE_TARGETS[target] = _runnable_node(node)
-    return found
+    found = _RUNNABLE_TARGETS[id(target)] = (target, _runnable_node(node))
+    return found[1]
 
 
 def _runnable_node(node: Node) -> bool:
     return not _is_random(node) and not _uninitialized(node) and not _mutates(node) and _known(node)
 
 
-_RUNNABLE_TARGETS: dict = {}  # call target -> _runnable of its calls (asked of every node a bridge walks past)
+# id(call target) -> (the target, _runnable of its calls) (asked of every node a bridge walks past; by id:
+# an OpOverload hashes slowly)
+_RUNNABLE_TARGETS: dict = {}
 
 
 def _known(node: Node) -> bool:
@@ -332,8 +337,8 @@ def _known(node: Node) -> bool:
         torch.sym_float, torch.sym_int, torch.sym_max, torch.sym_min, torch.sym_not, torch.sym_sum)
 
 
-_REFUSED_TARGETS: dict = {}  # op -> whether its calls are random or opaque (asked of every node of every rewrite)
-_TARGET_NAMES: dict = {}  # call target -> str(target), in signatures (an OpOverload's str is slow)
+_REFUSED_TARGETS: dict = {}  # id(op) -> (op, whether its calls are random or opaque) (asked of every node of every rewrite)
+_TARGET_NAMES: dict = {}  # id(call target) -> (target, str(target)), in signatures (an OpOverload's str is slow)
 
 
 # -- the validation --------------------------------------------------------------------------------
@@ -346,12 +351,13 @@ class _Validation:
         self.evaluations = 0
         for node in [*self.original, *self.inserted]:  # (a mutating op runs on clones of what it writes)
             target = node.target
-            refused = _REFUSED_TARGETS.get(target) if node.op == "call_function" and \
-                isinstance(target, torch._ops.OpOverload) else None  # (an op call's: a property of its op)
-            if refused is None:
+            known = _REFUSED_TARGETS.get(id(target)) if node.op == "call_function" else None
+            if known is not None and known[0] is target:  # (an op call's: a property of its op)
+                refused = known[1]
+            else:
                 refused = _is_random(node) or not _known(node)
                 if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
-                    _REFUSED_TARGETS[target] = refused
+                    _REFUSED_TARGETS[id(target)] = (target, refused)
             if refused:
                 what = "random" if _is_random(node) else "opaque"
                 raise Unvalidatable(f"{describe(node)} is {what}: validation never runs such an op")
@@ -409,8 +415,10 @@ class _Validation:
                 return None
             value = node.meta.get("val")
             if isinstance(value, torch.Tensor):
-                parts.append(("tensor", tuple(_sym_repr(x) for x in value.shape),
-                              tuple(_sym_repr(x) for x in value.stride()), value.dtype, value.device))
+                shape, stride = tuple(value.shape), value.stride()
+                if not all(type(x) is int for x in (*shape, *stride)):
+                    shape, stride = tuple(map(_sym_repr, shape)), tuple(map(_sym_repr, stride))
+                parts.append(("tensor", shape, tuple(stride), value.dtype, value.device))
             else:
                 parts.append(("value", type(value).__name__, _sym_repr(value)))
             index[node] = len(index)
@@ -428,10 +436,10 @@ class _Validation:
                 encoded = torch.fx.node.map_aggregate((node.args, node.kwargs), encode)
             except (_NoSignature, KeyError):
                 return None
-            name = _TARGET_NAMES.get(node.target)
-            if name is None:
-                name = _TARGET_NAMES[node.target] = str(node.target)
-            parts.append((name, repr(encoded)))
+            named = _TARGET_NAMES.get(id(node.target))
+            if named is None or named[0] is not node.target:
+                named = _TARGET_NAMES[id(node.target)] = (node.target, str(node.target))
+            parts.append((named[1], repr(encoded)))
         parts.append(tuple((index.get(old), index.get(new)) for old, new in self.outputs.items()))
         return tuple(parts)
 
@@ -511,17 +519,21 @@ def _plan_inputs(reads: list, replacement: frozenset = frozenset()) -> tuple:
         found = kinds.get(node)
         if found is not None:
             return found
-        if node.op == "get_attr":
+        op = node.op
+        if op == "get_attr":
             result = "const"
-        elif node.op == "placeholder" and _is_size(node):
-            result = "size"
-        elif not _runnable(node) or (depth > BRIDGE_HOPS and node not in replacement):
+        elif op == "placeholder":  # (a size, else a value no bridge computes)
+            result = "size" if _is_size(node) else "free"
+        elif (depth > BRIDGE_HOPS and node not in replacement) or not _runnable(node):
             result = "free"
         else:
             linked = free = False
-            for i in node.all_input_nodes:  # (every input's kind found, in order: the memo is filled alike)
+            for i in node._input_nodes:  # (every input's kind found, in order: the memo is filled alike)
                 sub = "linked" if i in reads_set else kind(i, depth + 1)
-                linked, free = linked or sub == "linked", free or sub == "free"
+                if sub == "linked":
+                    linked = True
+                elif sub == "free":
+                    free = True
             result = "linked" if linked else "free" if free else "size" if _is_size(node) else "const"
         kinds[node] = result
         return result
