@@ -37,6 +37,7 @@ DEDUPLICATED = (aten.slice.Tensor, aten.select.int, aten.view.default, aten._uns
 PERMUTES = (aten.permute.default, aten.transpose.int, aten.t.default)
 _MAYBE_NOOP = {id(t) for t in (aten.slice.Tensor, *RESHAPES, *CASTS, *PERMUTES)}  # by id: OpOverloads hash slowly
 _DEDUPLICATED = {id(t) for t in DEDUPLICATED}
+_CANDIDATES = _MAYBE_NOOP | _DEDUPLICATED
 _SCALAR_OVERLOADS = {id(aten.mul.Scalar): aten.mul.Tensor, id(aten.div.Scalar): aten.div.Tensor}
 
 
@@ -79,11 +80,12 @@ def canonicalize(graph: Graph) -> int:
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
-        if id(node.target) in _SCALAR_OVERLOADS:
-            node.target = _SCALAR_OVERLOADS[id(node.target)]
+        target = id(node.target)
+        if target in _SCALAR_OVERLOADS:
+            node.target = _SCALAR_OVERLOADS[target]
             changed += 1
             continue
-        if node in outputs:
+        if target not in _CANDIDATES or node in outputs:  # (most nodes: no op this edits)
             continue
         if _is_noop(node):
             node.replace_all_uses_with(node.args[0])

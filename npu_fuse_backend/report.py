@@ -180,9 +180,11 @@ def _module_stack(node: Node) -> dict:
     return node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
 
 
+@functools.lru_cache(maxsize=4096)
 def module_path(dynamo_path: str, cls: type = None) -> str:
     """Dynamo's ``L['self'].model.layers[3]._modules['self_attn']`` as ``model.layers.3.self_attn``
-    (relative to the compiled module; a module passed as an argument keeps the argument's name)."""
+    (relative to the compiled module; a module passed as an argument keeps the argument's name).
+    (Once per path: every subgraph of a layer has its path.)"""
     path = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", dynamo_path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"^L\['self'\]\.?", "", path)

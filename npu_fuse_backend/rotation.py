@@ -1861,11 +1861,14 @@ _MISSING = object()
 
 def _encoded(arg, inputs: list):
     """arg as a hashable constant, each node replaced by a marker and appended to inputs."""
+    kind = type(arg)
+    if kind in _PLAIN_CONSTANTS:  # (the common arguments first: every node of every signature)
+        return arg
     if isinstance(arg, Node):
         inputs.append(arg)
         return _NODE
     if isinstance(arg, (list, tuple)):
-        return tuple(_encoded(a, inputs) for a in arg)
+        return tuple([_encoded(a, inputs) for a in arg])
     if isinstance(arg, dict):
         return tuple(sorted((k, _encoded(v, inputs)) for k, v in arg.items()))
     if isinstance(arg, (torch.SymInt, torch.SymFloat, torch.SymBool)):
@@ -1874,6 +1877,7 @@ def _encoded(arg, inputs: list):
 
 
 _NODE = object()  # a node argument, in a signature
+_PLAIN_CONSTANTS = frozenset((int, float, bool, str, type(None), torch.dtype, torch.device))
 
 
 def _template(result: Union[Rotation, Refusal, None], order: list) -> Any:

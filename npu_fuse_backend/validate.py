@@ -297,19 +297,24 @@ def _uninitialized(node: Node) -> bool:
 def _runnable(node: Node) -> bool:
     """A node the bridge may run: a known op (below) that neither draws random numbers nor mutates."""
     target = node.target
-    if node.op != "call_function" or isinstance(target, torch._ops.HigherOrderOperator):
+    if node.op != "call_function":
+        return _runnable_node(node)
+    found = _RUNNABLE_TARGETS.get(id(target))  # the other calls': a property of their target alone
+    if found is not None and found[0] is target:
+        return found[1]
+    if isinstance(target, torch._ops.HigherOrderOperator):
         return _runnable_node(node)  # (what a higher-order op runs is among its arguments)
-    found = _RUNNABLE_TARGETS.get(target)  # the other calls': a property of their target alone
-    if found is None:
-        found = _RUNNABLE_TARGETS[target] = _runnable_node(node)
-    return found
+    found = _RUNNABLE_TARGETS[id(target)] = (target, _runnable_node(node))
+    return found[1]
 
 
 def _runnable_node(node: Node) -> bool:
     return not _is_random(node) and not _uninitialized(node) and not _mutates(node) and _known(node)
 
 
-_RUNNABLE_TARGETS: dict = {}  # call target -> _runnable of its calls (asked of every node a bridge walks past)
+# id(call target) -> (the target, _runnable of its calls) (asked of every node a bridge walks past; by id:
+# an OpOverload hashes slowly)
+_RUNNABLE_TARGETS: dict = {}
 
 
 def _known(node: Node) -> bool:
@@ -332,8 +337,8 @@ def _known(node: Node) -> bool:
         torch.sym_float, torch.sym_int, torch.sym_max, torch.sym_min, torch.sym_not, torch.sym_sum)
 
 
-_REFUSED_TARGETS: dict = {}  # op -> whether its calls are random or opaque (asked of every node of every rewrite)
-_TARGET_NAMES: dict = {}  # call target -> str(target), in signatures (an OpOverload's str is slow)
+_REFUSED_TARGETS: dict = {}  # id(op) -> (op, whether its calls are random or opaque) (asked of every node of every rewrite)
+_TARGET_NAMES: dict = {}  # id(call target) -> (target, str(target)), in signatures (an OpOverload's str is slow)
 
 
 # -- the validation --------------------------------------------------------------------------------
@@ -346,12 +351,13 @@ class _Validation:
         self.evaluations = 0
         for node in [*self.original, *self.inserted]:  # (a mutating op runs on clones of what it writes)
             target = node.target
-            refused = _REFUSED_TARGETS.get(target) if node.op == "call_function" and \
-                isinstance(target, torch._ops.OpOverload) else None  # (an op call's: a property of its op)
-            if refused is None:
+            known = _REFUSED_TARGETS.get(id(target)) if node.op == "call_function" else None
+            if known is not None and known[0] is target:  # (an op call's: a property of its op)
+                refused = known[1]
+            else:
                 refused = _is_random(node) or not _known(node)
                 if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
-                    _REFUSED_TARGETS[target] = refused
+                    _REFUSED_TARGETS[id(target)] = (target, refused)
             if refused:
                 what = "random" if _is_random(node) else "opaque"
                 raise Unvalidatable(f"{describe(node)} is {what}: validation never runs such an op")
@@ -409,8 +415,10 @@ class _Validation:
                 return None
             value = node.meta.get("val")
             if isinstance(value, torch.Tensor):
-                parts.append(("tensor", tuple(_sym_repr(x) for x in value.shape),
-                              tuple(_sym_repr(x) for x in value.stride()), value.dtype, value.device))
+                shape, stride = tuple(value.shape), value.stride()
+                if not all(type(x) is int for x in (*shape, *stride)):
+                    shape, stride = tuple(map(_sym_repr, shape)), tuple(map(_sym_repr, stride))
+                parts.append(("tensor", shape, tuple(stride), value.dtype, value.device))
             else:
                 parts.append(("value", type(value).__name__, _sym_repr(value)))
             index[node] = len(index)
@@ -428,10 +436,10 @@ class _Validation:
                 encoded = torch.fx.node.map_aggregate((node.args, node.kwargs), encode)
             except (_NoSignature, KeyError):
                 return None
-            name = _TARGET_NAMES.get(node.target)
-            if name is None:
-                name = _TARGET_NAMES[node.target] = str(node.target)
-            parts.append((name, repr(encoded)))
+            named = _TARGET_NAMES.get(id(node.target))
+            if named is None or named[0] is not node.target:
+                named = _TARGET_NAMES[id(node.target)] = (node.target, str(node.target))
+            parts.append((named[1], repr(encoded)))
         parts.append(tuple((index.get(old), index.get(new)) for old, new in self.outputs.items()))
         return tuple(parts)
 
@@ -511,17 +519,21 @@ def _plan_inputs(reads: list, replacement: frozenset = frozenset()) -> tuple:
         found = kinds.get(node)
         if found is not None:
             return found
-        if node.op == "get_attr":
+        op = node.op
+        if op == "get_attr":
             result = "const"
-        elif node.op == "placeholder" and _is_size(node):
-            result = "size"
-        elif not _runnable(node) or (depth > BRIDGE_HOPS and node not in replacement):
+        elif op == "placeholder":  # (a size, else a value no bridge computes)
+            result = "size" if _is_size(node) else "free"
+        elif (depth > BRIDGE_HOPS and node not in replacement) or not _runnable(node):
             result = "free"
         else:
             linked = free = False
-            for i in node.all_input_nodes:  # (every input's kind found, in order: the memo is filled alike)
+            for i in node._input_nodes:  # (every input's kind found, in order: the memo is filled alike)
                 sub = "linked" if i in reads_set else kind(i, depth + 1)
-                linked, free = linked or sub == "linked", free or sub == "free"
+                if sub == "linked":
+                    linked = True
+                elif sub == "free":
+                    free = True
             result = "linked" if linked else "free" if free else "size" if _is_size(node) else "const"
         kinds[node] = result
         return result
@@ -1570,12 +1582,11 @@ def _difference(expected: Any, got: Any, probe: str = "uniform", exact: Any = No
             return None
         wrong = (expected != got).sum().item()
         return f"has {wrong} of {expected.numel()} integer values different"
-    if torch.equal(expected, got):
+    if torch.equal(expected, got) or _same_bits(expected, got):  # (the second: equal NaNs too)
         return None
-    e_finite, g_finite = torch.isfinite(expected), torch.isfinite(got)
-    if bool(e_finite.all()) and bool(g_finite.all()):
-        del e_finite, g_finite
+    if _all_finite(expected) and _all_finite(got):
         return _beyond_tolerance(expected, got, probe, exact, finite=True)
+    e_finite, g_finite = torch.isfinite(expected), torch.isfinite(got)
     lost = int((e_finite & ~g_finite).sum())
     if lost:
         return f"is finite at {lost} of {expected.numel()} elements where the replacement is not"
@@ -1594,6 +1605,28 @@ def _difference(expected: Any, got: Any, probe: str = "uniform", exact: Any = No
         del e_special, g_special
     del e_finite, g_finite
     return _beyond_tolerance(expected, got, probe, exact)
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(expected: torch.Tensor, got: torch.Tensor) -> bool:
+    """Every element of got is the very value of expected's (NaNs where it has NaNs): no probe can find
+    a difference then."""
+    bits = _BITS.get(expected.element_size())
+    if bits is None or expected.is_neg() or got.is_neg():
+        return False
+    try:
+        return torch.equal(expected.view(bits), got.view(bits))
+    except RuntimeError:  # (a layout that cannot be viewed so: compared by value)
+        return False
+
+
+def _all_finite(values: torch.Tensor) -> bool:
+    """No element is NaN or infinite: the sum is finite (one pass, cheaper than ``isfinite``), or, where
+    the sum overflows, every element is."""
+    wide = torch.float64 if values.dtype == torch.float64 else torch.float32
+    return bool(torch.isfinite(values.sum(dtype=wide))) or bool(torch.isfinite(values).all())
 
 
 def _beyond_tolerance(expected: torch.Tensor, got: torch.Tensor, probe: str, exact: Any,
@@ -1626,13 +1659,21 @@ def _beyond_tolerance(expected: torch.Tensor, got: torch.Tensor, probe: str, exa
     bad, worst, worst_at, largest = 0, 0.0, None, 0.0
     for e, g, x in blocks:
         e, g = e.to(precise), g.to(precise)
-        compared = torch.isfinite(e)
+        compared = None if finite else torch.isfinite(e)
         if not finite:
             e, g = torch.where(compared, e, 0), torch.where(compared, g, 0)
         scale = e.pow(2).mean(-1, keepdim=True).sqrt_()  # the rms of each element's last-dim row
         if probe != "magnitudes":  # (the magnitudes probe scales blocks apart: each row is its own scale)
             scale.clamp_(min=everything)
         err = (e - g).abs_()
+        if not err.numel():
+            continue
+        block_largest = float(err.max())
+        if block_largest <= 0.5 * absolute * eps * float(scale.min()):  # within every element's tolerance by
+            largest = max(largest, block_largest)  # half its smallest part: none of the block differs
+            continue
+        if compared is None:
+            compared = torch.isfinite(e)
         slack = err - e.abs().mul_(rel * eps) - scale * (absolute * eps)
         if probe == "magnitudes":  # large values lose digits to cancellation in any kernel: a relative floor
             slack -= scale * MAGNITUDES_RTOL
@@ -1645,7 +1686,7 @@ def _beyond_tolerance(expected: torch.Tensor, got: torch.Tensor, probe: str, exa
             value, where = slack.reshape(-1).max(0)
             if worst_at is None or float(value) > worst:
                 worst, worst_at = float(value), (float(e.reshape(-1)[where]), float(g.reshape(-1)[where]))
-        largest = max(largest, float(err.max())) if err.numel() else largest
+        largest = max(largest, block_largest)
     if bad:
         return (f"differs at {bad} of {expected.numel()} elements (by up to {largest:.3g}; "
                 f"e.g. {worst_at[0]:.4g} vs {worst_at[1]:.4g}, {expected.dtype})")
