@@ -156,10 +156,19 @@ def test_a_match_names_the_nodes_of_its_replacement():
     assert [nodes[n].target for n in match.nodes_inserted if nodes[n].target == torch.ops.npu_fuse.rotary_mul.default]
 
 
-def test_a_graph_the_passes_ran_on_is_freed_with_its_module():
-    """What a pass keeps for the passes after it (the RoPE recognizer's analysis) goes with the run."""
-    gm = make_fx(rope, tracing_mode="fake")(*rope_args())
-    assert fused_ops([nf.run_fusion_passes(gm)]) == ["rotary_mul"]
+def scaled_softmax_backward(g, p):
+    return aten._softmax_backward_data(g, p, -1, torch.float32) * 0.25
+
+
+@pytest.mark.parametrize("fn, args, op", [
+    (rope, rope_args(), "rotary_mul"),
+    (scaled_softmax_backward, (torch.randn(4, 16), torch.randn(4, 16).softmax(-1)), "softmax_grad_ext"),
+], ids=["rope", "softmax_grad"])
+def test_a_graph_the_passes_ran_on_is_freed_with_its_module(fn, args, op):
+    """What a pass keeps for the passes after it (the RoPE recognizer's analysis, softmax_grad's
+    covered sites) goes with the run."""
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    assert fused_ops([nf.run_fusion_passes(gm)]) == [op]
     graph = weakref.ref(gm.graph)
     del gm
     gc.collect()

@@ -372,6 +372,9 @@ class Region:
         return [n for core in self.cores.values() for n in core.nodes]
 
 
+_COVERED, _WALK = (__name__, "covered"), (__name__, "walk")  # keys of this pass's state in ctx.memo
+
+
 @register_fusion
 class SoftmaxGradFusion(FusionPass):
     """Mul -> ReduceSum -> Sub -> Mul -> Mul, or softmax backward * scale -> softmax_grad_ext."""
@@ -392,7 +395,7 @@ class SoftmaxGradFusion(FusionPass):
                 sites.append(node)
             elif ctx.kind == "backward" and node.target in SDPA_BACKWARD and made_by_compiler(node):
                 sdpa.append(node)
-        self._covered = (ctx, set())  # softmax backwards a scale anchor took, fused or not
+        ctx.memo[_COVERED] = (ctx, set())  # softmax backwards a scale anchor took, fused or not
         return [*scales, *sites, *sdpa]
 
     def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
@@ -410,22 +413,25 @@ class SoftmaxGradFusion(FusionPass):
         region = self._match_region(ctx, anchor)
         return self._check_and_rewrite_region(ctx, anchor, region) if region is not None else None
 
+    # (per-graph state lives in ctx.memo, which goes with the run: the pass itself keeps no graph)
     def _walk(self, ctx: PassContext) -> "_RegionWalk":
         """The linear-region walk of this pass over ctx's graph (its answers shared by every anchor)."""
-        walk = getattr(self, "_region_walk", None)
+        walk = ctx.memo.get(_WALK)
         if walk is None or walk[0] is not ctx:
-            walk = self._region_walk = (ctx, _RegionWalk(self))
+            walk = ctx.memo[_WALK] = (ctx, _RegionWalk(self))
         return walk[1]
 
+    @staticmethod
+    def _covered(ctx: PassContext) -> set:
+        covered = ctx.memo.get(_COVERED)
+        return covered[1] if covered is not None and covered[0] is ctx else set()
+
     def _cover(self, ctx: PassContext, nodes) -> None:
-        covered = getattr(self, "_covered", None)
-        if covered is not None and covered[0] is ctx:
-            covered[1].update(nodes)
+        self._covered(ctx).update(nodes)
 
     def _covered_by_another(self, ctx: PassContext, anchor: Node) -> bool:
         """A scale multiply an earlier anchor's region takes (a matmul's other output times the scale)."""
-        covered = getattr(self, "_covered", None)
-        return covered is not None and covered[0] is ctx and anchor in covered[1]
+        return anchor in self._covered(ctx)
 
     # -- patterns ---------------------------------------------------------------------
     def _match_through_layout(self, y: Node) -> Optional[SoftmaxBackward]:
@@ -859,8 +865,7 @@ class SoftmaxGradFusion(FusionPass):
     # -- no silent site -------------------------------------------------------------------------
     def _silent_site(self, ctx: PassContext, node: Node) -> None:
         """A softmax backward that no scale anchor took: a near-miss saying where its result goes."""
-        covered = getattr(self, "_covered", None)
-        if covered is not None and covered[0] is ctx and node in covered[1]:  # (before the costlier match)
+        if node in self._covered(ctx):  # (before the costlier match)
             return None
         core = self._site(node)
         if core is None:
