@@ -186,6 +186,14 @@ def _check_scalar_scale(x2, inverted: bool, dtype: torch.dtype) -> None:
                        f"softmax_grad_ext takes it as a {dtype} tensor, eager multiplies in float32")
 
 
+def _check_static(*named: tuple) -> None:
+    """SoftmaxGradExt takes static shapes only: the first symbolic dim of the (name, tensor) pairs."""
+    for name, t in named:
+        symbolic = [s for s in t.shape if static_int(s) is None]
+        if symbolic:
+            raise NotFused(f"{name} has symbolic dim {symbolic[0]}: SoftmaxGradExt needs static shapes")
+
+
 def _check_divisor(x2, inverted: bool) -> None:
     if inverted and isinstance(x2, torch.Tensor):
         raise NotFused("the chain is divided by a tensor: softmax_grad_ext multiplies by x2, and x2 = 1/T "
@@ -653,10 +661,7 @@ class SoftmaxGradFusion(FusionPass):
         inverted = region.inverted
         cores = region.cores
         for core in cores.values():
-            for name, t in (("grad", val(core.grad)), ("x1", val(core.x1))):
-                symbolic = [s for s in t.shape if static_int(s) is None]
-                if symbolic:
-                    raise NotFused(f"{name} has symbolic dim {symbolic[0]}: SoftmaxGradExt needs static shapes")
+            _check_static(("grad", val(core.grad)), ("x1", val(core.x1)))
         scale = val(x2)
         _check_divisor(scale, inverted)
         if isinstance(scale, torch.Tensor) and scale.numel() != 1:
@@ -822,10 +827,7 @@ class SoftmaxGradFusion(FusionPass):
 
     def _check(self, ctx: PassContext, y: Node, chain: SoftmaxBackward, copies: list) -> None:
         grad, x1, x2 = val(chain.grad), val(chain.x1), val(chain.x2)
-        for name, t in (("grad", grad), ("x1", x1)) + ((("x2", x2),) if isinstance(x2, torch.Tensor) else ()):
-            symbolic = [s for s in t.shape if static_int(s) is None]
-            if symbolic:
-                raise NotFused(f"{name} has symbolic dim {symbolic[0]}: SoftmaxGradExt needs static shapes")
+        _check_static(("grad", grad), ("x1", x1), *((("x2", x2),) if isinstance(x2, torch.Tensor) else ()))
         _check_divisor(x2, chain.scale_inverted)
         if not isinstance(x2, torch.Tensor):
             if not isinstance(chain.x2, Scalar) or isinstance(chain.x2, bool):
