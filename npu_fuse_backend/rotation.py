@@ -73,16 +73,11 @@ HALF, INTERLEAVE, PAIRS_TO_HALF, HALF_TO_PAIRS = "half", "interleave", "pairs_to
 
 
 # -- dtypes -------------------------------------------------------------------------------------------
-def _real(dtype: torch.dtype) -> torch.dtype:
-    return {torch.complex64: torch.float32, torch.complex128: torch.float64, torch.complex32: torch.float16}.get(
-        dtype, dtype)
-
-
 @functools.lru_cache(maxsize=None)
 def covers(finer: torch.dtype, coarser: torch.dtype) -> bool:
     """Every value of ``coarser`` is one of ``finer`` (a rounding to ``finer`` changes nothing a
     rounding to ``coarser`` would not change more)."""
-    finer, coarser = _real(finer), _real(coarser)
+    finer, coarser = finer.to_real(), coarser.to_real()
     if finer == coarser:
         return True
     if not (finer.is_floating_point and coarser.is_floating_point):
@@ -199,7 +194,7 @@ def _is_pairs_view(src_shape, out_shape) -> bool:
     return None not in (a, b, whole) and a * b == whole and 2 in (a, b) and shape_eq(small[:-2], big[:-1])
 
 
-def _lane_dim(node: Node, dim, ndim: int, lane_dims: int = 1) -> bool:
+def _lane_dim(dim, ndim: int, lane_dims: int = 1) -> bool:
     return isinstance(dim, int) and ndim > 0 and norm_dim(dim, ndim) >= ndim - lane_dims
 
 
@@ -235,7 +230,7 @@ def _rule_cat(node: Node) -> Optional[bool]:
     if not tensors or not isinstance(tensors[0], Node) or not isinstance(val(tensors[0]), torch.Tensor):
         return None
     extra = 1 if node.target is aten.stack.default else 0
-    return True if _lane_dim(node, call_arg(node, 1, "dim", 0), val(tensors[0]).dim() + extra, 1 + extra) else None
+    return True if _lane_dim(call_arg(node, 1, "dim", 0), val(tensors[0]).dim() + extra, 1 + extra) else None
 
 
 def _rule_getitem(node: Node) -> Optional[bool]:
@@ -284,19 +279,19 @@ _LANE_RULES_BY_TARGET = {
     **{t: (lambda node: True if _split_on_lanes(node) else None) for t in SPLITS},
     operator.getitem: _rule_getitem,
     **{t: _shaped(lambda node, sv, nv: _is_pairs_view(sv.shape, nv.shape)) for t in VIEWS},
-    aten.slice.Tensor: _shaped(lambda node, sv, nv: _lane_dim(node, slice_args(node)[0], sv.dim())),
-    aten.select.int: _shaped(lambda node, sv, nv: _lane_dim(node, node.args[1], sv.dim(), 2)),
+    aten.slice.Tensor: _shaped(lambda node, sv, nv: _lane_dim(slice_args(node)[0], sv.dim())),
+    aten.select.int: _shaped(lambda node, sv, nv: _lane_dim(node.args[1], sv.dim(), 2)),
     **{t: _rule_permute for t in PERMUTES},
     aten.unsqueeze.default: _shaped(lambda node, sv, nv: norm_dim(node.args[1], sv.dim() + 1) == sv.dim()),
     **{t: _shaped(_squeezes_lanes) for t in (aten.squeeze.dim, aten.squeeze.dims)},
     aten.expand.default: _shaped(_expands_lanes),
     **{t: _shaped(lambda node, sv, nv: True) for t in (aten.view_as_complex.default, aten.view_as_real.default,
                                                          aten._conj.default)},
-    aten.flip.default: _shaped(lambda node, sv, nv: all(_lane_dim(node, d, sv.dim()) for d in node.args[1])),
-    aten.slice_backward.default: _shaped(lambda node, sv, nv: _lane_dim(node, node.args[2], nv.dim())),
-    aten.select_backward.default: _shaped(lambda node, sv, nv: _lane_dim(node, node.args[2], nv.dim(), 2)),
-    aten.select_scatter.default: _shaped(lambda node, sv, nv: _lane_dim(node, node.args[2], sv.dim(), 2)),
-    aten.slice_scatter.default: _shaped(lambda node, sv, nv: _lane_dim(node, slice_scatter_args(node)[0], sv.dim())),
+    aten.flip.default: _shaped(lambda node, sv, nv: all(_lane_dim(d, sv.dim()) for d in node.args[1])),
+    aten.slice_backward.default: _shaped(lambda node, sv, nv: _lane_dim(node.args[2], nv.dim())),
+    aten.select_backward.default: _shaped(lambda node, sv, nv: _lane_dim(node.args[2], nv.dim(), 2)),
+    aten.select_scatter.default: _shaped(lambda node, sv, nv: _lane_dim(node.args[2], sv.dim(), 2)),
+    aten.slice_scatter.default: _shaped(lambda node, sv, nv: _lane_dim(slice_scatter_args(node)[0], sv.dim())),
 }
 _LANE_RULES = {id(t): rule for t, rule in _LANE_RULES_BY_TARGET.items()}
 
@@ -304,7 +299,7 @@ _LANE_RULES = {id(t): rule for t, rule in _LANE_RULES_BY_TARGET.items()}
 def _split_on_lanes(split: Node) -> bool:
     src = split.args[0]
     dim = call_arg(split, 2 if split.target is not aten.unbind.int else 1, "dim", 0)
-    return isinstance(src, Node) and _lane_dim(split, dim, val(src).dim(), 2 if split.target is aten.unbind.int else 1)
+    return isinstance(src, Node) and _lane_dim(dim, val(src).dim(), 2 if split.target is aten.unbind.int else 1)
 
 
 def _permutation(node: Node, nd: int) -> list:
@@ -409,7 +404,7 @@ class _Interpretation:
         if not perm and any(isinstance(s, Lanes) and s.perm for s in sources):
             raise _Opaque(f"{node.name} reads a value whose leading dims are permuted")
         v = val(node)
-        dtype = _real(v.dtype)
+        dtype = v.dtype.to_real()
         rounds = frozenset().union(*(s.rounds for s in sources if isinstance(s, Lanes)))
         region = frozenset((node, *extra)).union(*(s.region for s in sources if isinstance(s, Lanes)))
         mixed = False
@@ -1001,7 +996,7 @@ class Table:
     def dtype(self) -> torch.dtype:
         dtype = None
         for atom in self.atoms:
-            d = _real(val(atom).dtype)
+            d = val(atom).dtype.to_real()
             dtype = d if dtype is None else torch.promote_types(dtype, d)
         return dtype
 
@@ -1325,7 +1320,7 @@ def classify(interp: _Interpretation, anchor: Node, value: Any, kind: str) -> Un
                       "before the rotation: one cast of x cannot reproduce both")
     x_rounds = rounds.pop()
     for j, p in enumerate(polys):
-        if len(p) == 1 and p[0][2] not in (x_rounds, x_rounds + (_real(out_dtype),)):
+        if len(p) == 1 and p[0][2] not in (x_rounds, x_rounds + (out_dtype.to_real(),)):
             return refuse(f"lane {j} copies {x.name} rounded to {_rounds_text(p[0][2])}, the rotated lanes read it "
                           f"rounded to {_rounds_text(x_rounds)}")
     for dtype, node in sorted(value.rounds, key=lambda r: interp.analysis.position.get(r[1], 0)):
@@ -1369,7 +1364,7 @@ def classify(interp: _Interpretation, anchor: Node, value: Any, kind: str) -> Un
                       f"{shapes} ({', '.join(a.name for t in (r1, r2) for a in t.atoms)}) are not broadcastable to x",
                       family)
     x_dtype = x_rounds[-1] if x_rounds else val(x).dtype
-    op_dtype = functools.reduce(torch.promote_types, [x_dtype, r1.dtype, r2.dtype, _real(out_dtype)])
+    op_dtype = functools.reduce(torch.promote_types, [x_dtype, r1.dtype, r2.dtype, out_dtype.to_real()])
     complex_form = any(is_call(n, aten.view_as_complex.default) for n in region)
     return Rotation(anchor, x, s_off, s_off + w, o_s, passthrough, form, backward, (r1, r2), x_rounds, op_dtype,
                     out_dtype, region, [], complex_form, lead_perm=value.perm)
