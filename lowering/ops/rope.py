@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from npu_fuse_backend.graph_utils import static_int
-from npu_fuse_backend.soc import A2_A3, ASCEND950, GENERIC, fits_layout
+from npu_fuse_backend.soc import A2_A3, ASCEND950, fits_layout
 from npu_fuse_backend.lowering.registry import decomposition, npu_kernel, soc_limits
 from npu_fuse_backend.lowering.common import ROTARY_MODES, check_one_device, check_rotation_args, compute_dtype, \
     like, rotate
@@ -150,11 +150,10 @@ def rotary_position_embedding_950_limits(x: Tensor, tables) -> Optional[str]:
 
 def rope_soc_limits(soc: str, x: Tensor, tables, rotary_mode: str) -> Optional[str]:
     """Why the RoPE GE op of ``soc`` cannot take x with these cos/sin tables, or None."""
-    if soc == GENERIC:
-        return None
-    head_dim = static_int(x.shape[-1])
-    shapes = " / ".join(str(list(t.shape)) for t in tables)
+    if soc == ASCEND950:
+        return rotary_position_embedding_950_limits(x, tables)
     if soc in A2_A3:
+        head_dim = static_int(x.shape[-1])
         if head_dim is None or head_dim >= A2_A3_MAX_HEAD_DIM:
             return (f"head dim {x.shape[-1]} must be static and < {A2_A3_MAX_HEAD_DIM} "
                     "(RotaryMul/RotaryPositionEmbedding)")
@@ -167,11 +166,10 @@ def rope_soc_limits(soc: str, x: Tensor, tables, rotary_mode: str) -> Optional[s
                     return None
         which = "B * N" if rotary_mode == "interleave" else "B and N"
         layouts = "; ".join(f"x {xl}: cos/sin {', '.join(m[rotary_mode])}" for xl, m in A2_A3_TABLE_LAYOUTS.items())
+        shapes = " / ".join(str(list(t.shape)) for t in tables)
         return (f"cos/sin {shapes} against x {list(x.shape)}: {rotary_mode} mode takes {layouts}, "
                 f"with static {which} < {A2_A3_MAX_BN}")
-    if soc == ASCEND950:
-        return rotary_position_embedding_950_limits(x, tables)
-    return None
+    return None  # (generic: the fallback lowerings take any RoPE)
 
 
 @soc_limits(torch.ops.npu_fuse.rotary_mul.default)
