@@ -285,9 +285,10 @@ def baddbmm_attention(q, k, v):
     return torch.bmm(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
-@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast-bf16"])
-def test_a_scale_after_both_matmuls_of_the_softmax_backward_moves_in_front(autocast):
-    tensors = [torch.randn(6, 16, 8) for _ in range(3)]
+@pytest.mark.parametrize("dtype, autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
+                                             (torch.float32, True)], ids=["fp32", "bf16", "fp16", "autocast-bf16"])
+def test_a_scale_after_both_matmuls_of_the_softmax_backward_moves_in_front(dtype, autocast):
+    tensors = [torch.randn(6, 16, 8, dtype=dtype) for _ in range(3)]
     with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
         got, eager, reports = train(baddbmm_attention, *tensors)
     (match,) = backward_matches(reports)
@@ -295,6 +296,17 @@ def test_a_scale_after_both_matmuls_of_the_softmax_backward_moves_in_front(autoc
     assert not [n for r in reports for n in r.near_misses], [n.reason for r in reports for n in r.near_misses]
     for a, b in zip(got, eager):
         assert_close(a, b)
+
+
+def test_a_scale_after_the_matmuls_under_dynamic_shapes_is_a_near_miss_naming_the_static_shapes():
+    nf.clear_reports()
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(6, 16, 8, requires_grad=True) for _ in range(3))
+    with nf.config.patch(fallback="aot_eager"):
+        torch.compile(baddbmm_attention, backend="npu_fuse", dynamic=True)(q, k, v).sum().backward()
+    reports = nf.get_reports()
+    assert not backward_matches(reports)
+    assert any("SoftmaxGradExt needs static shapes" in n.reason for r in reports for n in r.near_misses)
 
 
 def test_mul_scalar_is_a_scale_multiply():
