@@ -62,7 +62,8 @@ from torch.fx import Node
 
 from ..fusion import (FakeValues, FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, check_op_args,
                       register_fusion, same_significant_strides)
-from ..graph_utils import VIEWS, aten, call_arg, describe, dtype_name, is_call, shape_eq, static_int, users_outside, val
+from ..graph_utils import (SHAREABLE_VIEWS, VIEWS, aten, call_arg, describe, dtype_name, is_call, shape_eq, static_int,
+                           users_outside, val)
 from ..matchers import CAST_KWARGS, DTYPE_CASTS, ZERO_FILLS, binary_operands, widens
 from npu_fuse_backend.lowering.ops.softmax_grad import check_softmax_grad_ext_args
 
@@ -288,8 +289,6 @@ MATMULS = (aten.bmm.default, aten.mm.default)
 LINEAR_TARGETS = frozenset((*UNARY_LINEAR, *DTYPE_CASTS, *MATMULS, aten.add.Tensor, aten.sub.Tensor,
                             aten.scatter.src, aten.scatter_add.default, aten.slice_scatter.default, aten.cat.default,
                             aten.copy.default))
-LATE_VIEWS = (*VIEWS, aten.permute.default, aten.transpose.int, aten.t.default, aten.unsqueeze.default,
-              aten.expand.default, aten.slice.Tensor, aten.select.int)  # pure views a replacement may make again
 CORE_TARGETS = frozenset((aten._softmax_backward_data.default, FMA, aten.sub.Tensor, aten.mul.Tensor))
 
 
@@ -631,7 +630,7 @@ class SoftmaxGradFusion(FusionPass):
                     continue
                 # the replacement is built before y: what the grown node reads from outside must exist there
                 late = [op for op in user.all_input_nodes if op not in inside and ctx.position(op) > ctx.position(y)]
-                if not all(is_call(op, *LATE_VIEWS) and all(ctx.position(i) < ctx.position(y)
+                if not all(is_call(op, *SHAREABLE_VIEWS) and all(ctx.position(i) < ctx.position(y)
                                                             for i in op.all_input_nodes) for op in late):
                     continue
                 region.remade += [op for op in late if op not in region.remade]
