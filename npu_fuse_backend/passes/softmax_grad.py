@@ -289,6 +289,7 @@ MATMULS = (aten.bmm.default, aten.mm.default)
 LINEAR_TARGETS = frozenset((*UNARY_LINEAR, *DTYPE_CASTS, *MATMULS, aten.add.Tensor, aten.sub.Tensor,
                             aten.scatter.src, aten.scatter_add.default, aten.slice_scatter.default, aten.cat.default,
                             aten.copy.default))
+_SITE_TARGETS = (aten._softmax_backward_data.default, FMA, aten.sub.Tensor)  # what _site reads
 CORE_TARGETS = frozenset((aten._softmax_backward_data.default, FMA, aten.sub.Tensor, aten.mul.Tensor))
 
 
@@ -393,16 +394,23 @@ class SoftmaxGradFusion(FusionPass):
     # -- anchors: scale multiplies first, then the softmax backwards none of them took ------------
     def anchors(self, ctx: PassContext):
         scales, sites, sdpa = [], [], []
+        reduced = False  # a softmax backward in the graph: every form has one of these at its heart
         for node in ctx.graph.nodes:
             if node.op != "call_function":
                 continue
-            if node.target in self.anchor_targets:
+            target = node.target
+            if target in self.anchor_targets:
                 scales.append(node)
-            elif is_call(node, aten._softmax_backward_data.default, FMA, aten.sub.Tensor):
+            elif target in _SITE_TARGETS:
                 sites.append(node)
-            elif ctx.kind == "backward" and node.target in SDPA_BACKWARD and made_by_compiler(node):
+                reduced = reduced or target is aten._softmax_backward_data.default
+            elif target is aten.sum.dim_IntList:
+                reduced = reduced or sum_of_product(node) is not None
+            elif ctx.kind == "backward" and target in SDPA_BACKWARD and made_by_compiler(node):
                 sdpa.append(node)
         ctx.memo[_COVERED] = (ctx, set())  # softmax backwards a scale anchor took, fused or not
+        if not reduced:  # (an inference graph: no scale or site can hold a softmax backward)
+            return sdpa
         return [*scales, *sites, *sdpa]
 
     def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
