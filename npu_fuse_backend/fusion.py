@@ -658,7 +658,6 @@ class PassManager:
                 ctx = PassContext(graph, soc, report.kind, fake_mode, dict(unsupported_ops or {}), memo, fake_outcomes)
                 changed |= self._run_one(fusion, ctx, report)
             if changed:
-                graph.lint()
                 gm.recompile()
         report.pass_seconds = time.perf_counter() - start
         log_graph("after", gm, report)
@@ -714,7 +713,10 @@ class PassManager:
                                      tuple(n.name for n in subgraph), rewrite.detail,
                                      tuple(n.name for n in inserted), **where(subgraph),
                                      unvalidated="; ".join(notes)))
-            _erase_dead(ctx.graph, claimed | shared)
+            dead = _dead(claimed | shared)
+            _check_order(ctx.graph, journal.inserted, set(dead))  # (before erasing: a failure undoes the pass whole)
+            for node in dead:
+                ctx.graph.erase_node(node)
         except Exception as exc:  # a pass must never break the user's compile
             journal.rollback()
             self._fail(f"fusion pass {fusion.name!r}", exc, report)
@@ -764,14 +766,28 @@ class PassManager:
         report.errors.append(message)
 
 
-def _erase_dead(graph: Graph, nodes: set[Node]) -> None:
-    """Erase the replaced nodes left without users, and the constants (a shared zeros) they alone used.
-    (Each node after its users: from the nodes without users up to their inputs, no scan of the graph.)"""
+def _check_order(graph: Graph, inserted: list[Node], dead: set[Node]) -> None:
+    """What ``graph.lint()`` checks of the nodes a pass inserted (its only edits besides redirecting uses
+    to them), once the ``dead`` nodes are erased: each is in the graph after its inputs and before its
+    users. (A scan of these nodes, not of the graph.)"""
+    for node in inserted:
+        if node._erased:
+            continue
+        for arg in node._input_nodes:
+            if arg.graph is not graph or arg._erased or not arg < node:
+                raise RuntimeError(f"inserted node {node.name} reads {arg.name}, which is not before it in the graph")
+        for user in node.users:
+            if user not in dead and not node < user:
+                raise RuntimeError(f"inserted node {node.name} is read by {user.name}, which is not after it")
+
+
+def _dead(nodes: set[Node]) -> list[Node]:
+    """The replaced nodes left without users once the dead among them are erased, and the constants (a
+    shared zeros) only they used; each after its users, the order to erase them in. (From the nodes
+    without users up to their inputs, no scan of the graph.)"""
     impure: dict = {}  # an op's purity, asked once per op (of a call_function, a property of its target)
 
-    def erasable(node: Node) -> bool:
-        if node.users:
-            return False
+    def pure(node: Node) -> bool:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             return not node.is_impure()
         found = impure.get(node.target)
@@ -779,17 +795,25 @@ def _erase_dead(graph: Graph, nodes: set[Node]) -> None:
             found = impure[node.target] = node.is_impure()
         return not found
 
-    constants, erased = set(), set()
+    users_left: dict = {}
+
+    def left(node: Node) -> int:
+        if node not in users_left:
+            users_left[node] = len(node.users)
+        return users_left[node]
+
+    dead, erased, constants = [], set(), set()
     pending = [node for node in nodes if not node.users]
     while pending:
         node = pending.pop()
-        if node in erased or not erasable(node):
+        if node in erased or left(node) or not pure(node):
             continue
-        inputs = node.all_input_nodes
-        constants.update(n for n in inputs if n.op == "call_function" and not n.all_input_nodes)
-        graph.erase_node(node)
         erased.add(node)
-        pending.extend(n for n in inputs if n in nodes)
-    for node in constants - nodes:
-        if erasable(node):
-            graph.erase_node(node)
+        dead.append(node)
+        for n in node._input_nodes:
+            users_left[n] = left(n) - 1
+            if n in nodes:
+                pending.append(n)
+            elif n.op == "call_function" and not n._input_nodes:
+                constants.add(n)
+    return dead + [n for n in constants if not left(n) and pure(n)]

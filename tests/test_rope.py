@@ -405,6 +405,39 @@ def test_rollback_restores_the_exact_graph(exploding_pass):
     assert str(gm.graph) == before
 
 
+def test_a_replacement_node_before_what_it_reads_leaves_the_graph_unfused_with_a_warning(monkeypatch):
+    """A pass whose build inserts a node that reads the replacement built after it: the graph would
+    read a value before computing it. The pass's edits are checked and undone, never handed on."""
+    from npu_fuse_backend.passes.rope import RopeFusion
+
+    class Misordered(RopeFusion):
+        name = "misordered"
+
+        def match(self, ctx, anchor):
+            rewrite = super().match(ctx, anchor)
+            if rewrite is not None:
+                real_build = rewrite.build
+
+                def build(b):
+                    b.call(torch.ops.aten.neg.default, anchor)  # reads the anchor: its replacement, once built
+                    return real_build(b)
+                rewrite.build = build
+            return rewrite
+
+    monkeypatch.setattr(fusion, "_registry", {"misordered": Misordered})
+    monkeypatch.setattr(fusion, "_discovered", True)
+
+    def fn(q, cos, sin):
+        return q * cos + rotate_half_slice(q) * sin
+
+    q, (cos, sin) = torch.randn(2, 3, 4, 16), tables((1, 3, 1, 16))
+    # (translation validation would refuse it too, evaluating the nodes in order: the check is the pass manager's)
+    with pytest.warns(RuntimeWarning, match="'misordered' failed and left the graph unfused.*not before it"):
+        out, reports = compile_fused(fn, q, cos, sin, translation_validation=False)
+    assert fused_ops(reports) == [] and reports[0].errors
+    assert_close(out, fn(q, cos, sin))
+
+
 def test_each_pass_sees_graph_positions_after_the_previous_passes_edits(monkeypatch):
     """PassContext.position caches node order; a pass that rewrites must not leave the next
     pass a stale order (the MLA and softmax passes both walk positions)."""
