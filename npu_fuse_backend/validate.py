@@ -172,11 +172,27 @@ class _Inconsistent(Exception):
         self.node = node
 
 
-class _Ref(int):
-    """A node of the rewrite, by its position, in a signature."""
+_NODE_REF = object()  # (_NODE_REF, i): the rewrite's i-th node, in a signature
+_AS_IS = frozenset((int, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format))
 
-    def __repr__(self) -> str:
-        return f"%{int(self)}"
+
+def _signed(x: Any, index: dict) -> Any:
+    """An argument as a hashable value for a signature: a node by its position in ``index``, a
+    constant by its type and value (1, True and 1.0 apart; -0.0 and nan by their spelling)."""
+    kind = type(x)
+    if kind in _AS_IS:
+        return x
+    if kind is Node:
+        return _NODE_REF, index[x]
+    if kind is float:
+        return float, repr(x)
+    if isinstance(x, (list, tuple)):
+        return list if isinstance(x, list) else tuple, tuple([_signed(a, index) for a in x])
+    if isinstance(x, dict):
+        return dict, tuple([(k, _signed(v, index)) for k, v in x.items()])
+    if isinstance(x, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
+        raise _NoSignature
+    return kind, repr(x)  # (a bool, an op, a slice: by type and spelling)
 
 
 @dataclasses.dataclass
@@ -201,13 +217,13 @@ def check_rewrite(subgraph: Iterable[Node], outputs: dict, inserted: list, seed:
     tally = counters["npu_fuse_validation"]
     signature = None
     try:
+        validation = _Validation(list(subgraph), outputs, inserted, seed)  # (reads metadata only)
+        signature = validation.signature()
+        if signature is not None and signature in _SHOWN_EQUAL:
+            tally["equal"] += 1
+            tally["equal_by_identical_rewrite"] += 1
+            return None
         with unset_fake_temporarily(), torch.no_grad(), _one_thread():
-            validation = _Validation(list(subgraph), outputs, inserted, seed)
-            signature = validation.signature()
-            if signature is not None and signature in _SHOWN_EQUAL:
-                tally["equal"] += 1
-                tally["equal_by_identical_rewrite"] += 1
-                return None
             outcome = validation.run()
             tally["evaluations"] += validation.evaluations
     except OverBudget as why:
@@ -416,30 +432,23 @@ class _Validation:
             value = node.meta.get("val")
             if isinstance(value, torch.Tensor):
                 shape, stride = tuple(value.shape), value.stride()
-                if not all(type(x) is int for x in (*shape, *stride)):
+                if value._has_symbolic_sizes_strides:
                     shape, stride = tuple(map(_sym_repr, shape)), tuple(map(_sym_repr, stride))
-                parts.append(("tensor", shape, tuple(stride), value.dtype, value.device))
+                parts.append(("tensor", shape, stride, value.dtype, value.device))
             else:
                 parts.append(("value", type(value).__name__, _sym_repr(value)))
             index[node] = len(index)
 
-        def encode(x):
-            if isinstance(x, Node):
-                return _Ref(index[x])
-            if isinstance(x, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
-                raise _NoSignature
-            return x
-
         for node in [*self.bridge, *self.original, *self.inserted]:
             index[node] = len(index)
             try:
-                encoded = torch.fx.node.map_aggregate((node.args, node.kwargs), encode)
+                encoded = _signed(node.args, index), _signed(node.kwargs, index)
             except (_NoSignature, KeyError):
                 return None
             named = _TARGET_NAMES.get(id(node.target))
             if named is None or named[0] is not node.target:
                 named = _TARGET_NAMES[id(node.target)] = (node.target, str(node.target))
-            parts.append((named[1], repr(encoded)))
+            parts.append((named[1], encoded))
         parts.append(tuple((index.get(old), index.get(new)) for old, new in self.outputs.items()))
         return tuple(parts)
 
@@ -1702,23 +1711,6 @@ def _attribute(node: Node) -> Any:
 
 
 def _topological(nodes: list) -> list:
-    """nodes, each after the ones of them it reads."""
-    inside, done, order = set(nodes), set(), []
-
-    def visit(node):
-        stack = [(node, False)]
-        while stack:
-            current, expanded = stack.pop()
-            if current in done:
-                continue
-            if expanded:
-                done.add(current)
-                order.append(current)
-                continue
-            stack.append((current, True))
-            stack.extend((i, False) for i in current.all_input_nodes if i in inside and i not in done)
-
-    for node in nodes:
-        visit(node)
-    return order
+    """nodes, each after the ones of them it reads: in graph order (FX orders nodes by position)."""
+    return sorted(dict.fromkeys(nodes))
 

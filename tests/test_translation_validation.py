@@ -423,7 +423,7 @@ def test_the_signature_tells_structurally_different_rewrites_apart():
     x, y, z = (graph.placeholder(name) for name in "xyz")
     calls = {name: graph.call_function(aten.mul.Tensor, args) for name, args in
              {"x*2": (x, 2.0), "y*2": (y, 2.0), "x*3": (x, 3.0), "x*y": (x, y), "x*x": (x, x), "z*2": (z, 2.0),
-              "x*-0.": (x, -0.0), "x*0.": (x, 0.0)}.items()}
+              "x*-0.": (x, -0.0), "x*0.": (x, 0.0), "x*1.": (x, 1.0), "x*1": (x, 1), "x*True": (x, True)}.items()}
     replacements = {name: graph.call_function(aten.add.Tensor, (node.args[0], node.args[0])) for name, node in
                     calls.items()}
     with FakeTensorMode() as mode:
@@ -434,7 +434,7 @@ def test_the_signature_tells_structurally_different_rewrites_apart():
     found = {name: validate._Validation([node], {node: replacements[name]}, [replacements[name]], 0).signature()
              for name, node in calls.items()}
     assert found["x*2"] == found["y*2"]  # one structure on inputs of one layout
-    distinct = ["x*2", "x*3", "x*y", "x*x", "z*2", "x*-0.", "x*0."]
+    distinct = ["x*2", "x*3", "x*y", "x*x", "z*2", "x*-0.", "x*0.", "x*1.", "x*1", "x*True"]  # (1 == 1.0 == True)
     assert len({found[name] for name in distinct}) == len(distinct)
 
 
