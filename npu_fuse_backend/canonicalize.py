@@ -57,7 +57,11 @@ def _is_noop(node: Node) -> bool:
     if id(node.target) not in _MAYBE_NOOP or not node.args or not isinstance(node.args[0], Node):
         return False
     out, src = node.meta.get("val"), node.args[0].meta.get("val")
-    if not (isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor) and _same_layout(out, src)):
+    if not (isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor)):
+        return False
+    if not (out._has_symbolic_sizes_strides or src._has_symbolic_sizes_strides) and out.shape != src.shape:
+        return False  # (most candidates: a view or slice that changes the shape)
+    if not _same_layout(out, src):
         return False
     if is_call(node, aten.slice.Tensor):
         dim, start, end, step = slice_args(node)

@@ -1480,7 +1480,7 @@ class Analysis:
         seen, stack = {node}, [node]
         while stack:
             n = stack.pop()
-            for a in n.all_input_nodes:
+            for a in n._input_nodes:
                 if a is x:
                     return True
                 if a in seen or a in known or self.position.get(a, px + 1) < px:
@@ -1512,7 +1512,7 @@ class Analysis:
         anything else has two terms)."""
         found = set()
         for n in self.graph.nodes:
-            if n.op != "call_function" or id(n.target) not in _MIXING or len(n.all_input_nodes) != 2 or \
+            if n.op != "call_function" or id(n.target) not in _MIXING or len(n._input_nodes) != 2 or \
                     (n.target is aten.mul.Tensor and not val(n).is_complex()) or self.lane_op(n) is None:
                 continue
             if not self._after_a_move(n):
@@ -1549,11 +1549,11 @@ class Analysis:
                 self._distances[n] = NEAR + 1 if kind is None else 0
                 stack.pop()
                 continue
-            todo = [a for a in n.all_input_nodes if a not in self._distances]
+            todo = [a for a in n._input_nodes if a not in self._distances]
             if todo:
                 stack.extend(todo)
                 continue
-            self._distances[n] = min([NEAR + 1, *(self._distances[a] + 1 for a in n.all_input_nodes)])
+            self._distances[n] = min([NEAR + 1, *(self._distances[a] + 1 for a in n._input_nodes)])
             stack.pop()
         return self._distances[node]
 
@@ -1578,7 +1578,7 @@ class Analysis:
             if first:
                 muls += node.target is aten.mul.Tensor
                 cuts += node.target in (aten.slice.Tensor, aten.select.int, operator.getitem)
-            for a in node.all_input_nodes:
+            for a in node._input_nodes:
                 stack.append((a, m or kind))
         leaves = [n for n, m in moved.items() if m and self.lane_op(n) is None and isinstance(val(n), torch.Tensor)
                   and val(n).dim() and val(n).is_floating_point() and
@@ -1619,7 +1619,7 @@ class Analysis:
             if len(order) > 2 * MAX_REGION:
                 return None
             if n is anchor or self.lane_op(n) is not None:
-                stack.extend(reversed(n.all_input_nodes))
+                stack.extend(reversed(n._input_nodes))  # (FX's dict of a node's inputs, in argument order)
         candidates = set(self._leaves(anchor)[0])  # what may be taken as x: these leaves, or lane ops
         entries, leaves = [], []
         for i, n in enumerate(order):
@@ -1627,7 +1627,7 @@ class Analysis:
             if leaf:
                 leaves.append(i)
             desc, inputs = self._describe(n, leaf)
-            entries.append((desc, tuple(index[a] for a in inputs)))
+            entries.append((desc, tuple([index[a] for a in inputs])))
         position = self.position
         ranks = tuple(sorted(leaves, key=lambda i: position.get(order[i], 0)))
         xs = [j for j, n in enumerate(order) if n in candidates or (j and self.lane_op(n) is not None)]
@@ -1644,7 +1644,7 @@ class Analysis:
             v = val(node)
             if isinstance(v, torch.Tensor):
                 shape = tuple(v.shape)
-                if not all(type(d) is int for d in shape):
+                if v._has_symbolic_sizes_strides:
                     shape = tuple(map(str, shape))
                 meta = shape, v.dtype, v.is_complex() and v.is_conj()
             else:
