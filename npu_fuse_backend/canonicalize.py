@@ -22,7 +22,7 @@ import operator
 import torch
 from torch.fx import Graph, Node
 
-from .graph_utils import INT_MAX, aten, is_call, norm_dim, shape_eq, size_eq, slice_args, static_int
+from .graph_utils import INT_MAX, aten, calls_of, is_call, norm_dim, shape_eq, size_eq, slice_args, static_int
 
 RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
             aten.alias.default)
@@ -37,8 +37,10 @@ DEDUPLICATED = (aten.slice.Tensor, aten.select.int, aten.view.default, aten._uns
 PERMUTES = (aten.permute.default, aten.transpose.int, aten.t.default)
 _MAYBE_NOOP = {id(t) for t in (aten.slice.Tensor, *RESHAPES, *CASTS, *PERMUTES)}  # by id: OpOverloads hash slowly
 _DEDUPLICATED = {id(t) for t in DEDUPLICATED}
-_CANDIDATES = _MAYBE_NOOP | _DEDUPLICATED
-_SCALAR_OVERLOADS = {id(aten.mul.Scalar): aten.mul.Tensor, id(aten.div.Scalar): aten.div.Tensor}
+SCALAR_OVERLOADS = ((aten.mul.Scalar, aten.mul.Tensor), (aten.div.Scalar, aten.div.Tensor))
+_TENSOR_OVERLOAD = {id(scalar): tensor for scalar, tensor in SCALAR_OVERLOADS}
+_EDITED = tuple(dict.fromkeys((aten.slice.Tensor, *RESHAPES, *CASTS, *PERMUTES, *DEDUPLICATED,
+                               *(scalar for scalar, _ in SCALAR_OVERLOADS))))  # the ops canonicalize edits
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -78,18 +80,16 @@ def _is_noop(node: Node) -> bool:
 def canonicalize(graph: Graph) -> int:
     """Remove no-op nodes, merge duplicate views and retarget Scalar overloads, in place; returns how
     many nodes went or changed."""
-    outputs = {n for n in graph.nodes if n.op == "output" for n in n.all_input_nodes}
+    outputs = {n for out in graph.find_nodes(op="output") for n in out.all_input_nodes}
     seen: dict = {}
     changed = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function":
-            continue
-        target = id(node.target)
-        if target in _SCALAR_OVERLOADS:
-            node.target = _SCALAR_OVERLOADS[target]
+    for node in calls_of(graph, _EDITED):  # (the calls of the ops this edits, in graph order: not every node)
+        tensor_overload = _TENSOR_OVERLOAD.get(id(node.target))
+        if tensor_overload is not None:
+            node.target = tensor_overload
             changed += 1
             continue
-        if target not in _CANDIDATES or node in outputs:  # (most nodes: no op this edits)
+        if node in outputs:
             continue
         if _is_noop(node):
             node.replace_all_uses_with(node.args[0])

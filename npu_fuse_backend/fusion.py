@@ -37,7 +37,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from . import config
 from .canonicalize import canonicalize
-from .graph_utils import is_input_view, shape_eq, size_eq, val
+from .graph_utils import calls_of, is_input_view, shape_eq, size_eq, val
 from npu_fuse_backend.lowering.registry import soc_refusal
 from .report import GraphReport, Match, NearMiss, graph_frame, involved, log_graph, new_report, publish, where
 from .soc import KNOWN_SOCS, resolve_soc
@@ -419,7 +419,7 @@ class FusionPass:
 
     def anchors(self, ctx: PassContext) -> Iterable[Node]:
         """The nodes ``match`` looks at: by default every call of an ``anchor_targets`` op."""
-        return (n for n in ctx.graph.nodes if n.op == "call_function" and n.target in self.anchor_targets)
+        return calls_of(ctx.graph, self.anchor_targets)
 
     def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
         """A Rewrite for the subgraph rooted at anchor, None when it is not this pattern;

@@ -55,7 +55,7 @@ from torch.fx import Graph, Node
 
 from .canonicalize import PERMUTES
 from .fusion import FusionPass, NotFused, PassContext
-from .graph_utils import VIEWS, aten, call_arg, describe, dtype_name, is_call, norm_dim, shape_eq, size_eq, \
+from .graph_utils import VIEWS, aten, call_arg, calls_of, describe, dtype_name, is_call, norm_dim, shape_eq, size_eq, \
     slice_args, slice_scatter_args, static_int, users_outside, val
 from .matchers import CAST_KWARGS, DTYPE_CASTS, ZERO_FILLS
 
@@ -911,7 +911,7 @@ _TRANSFERS = {
     aten._conj.default: _conj,
 }
 _TRANSFER_IDS = {id(t): f for t, f in _TRANSFERS.items()}
-_MIXING = {id(t) for t in (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor)}
+MIXING = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor)  # the ops whose lanes can have two terms
 
 
 # -- tables: rebuilt in the graph from the atoms the terms read ---------------------------------------------
@@ -1511,8 +1511,8 @@ class Analysis:
         after a lane move, and the anchor ops at most NEAR lane ops after one of them (no lane of
         anything else has two terms)."""
         found = set()
-        for n in self.graph.nodes:
-            if n.op != "call_function" or id(n.target) not in _MIXING or len(n._input_nodes) != 2 or \
+        for n in calls_of(self.graph, MIXING):
+            if len(n._input_nodes) != 2 or \
                     (n.target is aten.mul.Tensor and not val(n).is_complex()) or self.lane_op(n) is None:
                 continue
             if not self._after_a_move(n):

@@ -62,8 +62,8 @@ from torch.fx import Node
 
 from ..fusion import (FakeValues, FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, check_op_args,
                       register_fusion, same_significant_strides)
-from ..graph_utils import (SHAREABLE_VIEWS, VIEWS, aten, call_arg, describe, dtype_name, is_call, shape_eq, static_int,
-                           users_outside, val)
+from ..graph_utils import (SHAREABLE_VIEWS, VIEWS, aten, call_arg, calls_of, describe, dtype_name, is_call, shape_eq,
+                           static_int, users_outside, val)
 from ..matchers import CAST_KWARGS, DTYPE_CASTS, ZERO_FILLS, binary_operands, widens
 from npu_fuse_backend.lowering.ops.softmax_grad import check_softmax_grad_ext_args
 
@@ -393,25 +393,15 @@ class SoftmaxGradFusion(FusionPass):
 
     # -- anchors: scale multiplies first, then the softmax backwards none of them took ------------
     def anchors(self, ctx: PassContext):
-        scales, sites, sdpa = [], [], []
-        reduced = False  # a softmax backward in the graph: every form has one of these at its heart
-        for node in ctx.graph.nodes:
-            if node.op != "call_function":
-                continue
-            target = node.target
-            if target in self.anchor_targets:
-                scales.append(node)
-            elif target in _SITE_TARGETS:
-                sites.append(node)
-                reduced = reduced or target is aten._softmax_backward_data.default
-            elif target is aten.sum.dim_IntList:
-                reduced = reduced or sum_of_product(node) is not None
-            elif ctx.kind == "backward" and target in SDPA_BACKWARD and made_by_compiler(node):
-                sdpa.append(node)
+        graph = ctx.graph
+        sdpa = [n for n in calls_of(graph, SDPA_BACKWARD) if made_by_compiler(n)] if ctx.kind == "backward" else []
         ctx.memo[_COVERED] = (ctx, set())  # softmax backwards a scale anchor took, fused or not
-        if not reduced:  # (an inference graph: no scale or site can hold a softmax backward)
+        # every form of a softmax backward has one of these at its heart; an inference graph has none
+        if not graph.find_nodes(op="call_function", target=aten._softmax_backward_data.default, sort=False) and \
+                not any(sum_of_product(n) is not None
+                        for n in graph.find_nodes(op="call_function", target=aten.sum.dim_IntList, sort=False)):
             return sdpa
-        return [*scales, *sites, *sdpa]
+        return [*calls_of(graph, self.anchor_targets), *calls_of(graph, _SITE_TARGETS), *sdpa]
 
     def match(self, ctx: PassContext, anchor: Node) -> Optional[Rewrite]:
         if anchor.target in SDPA_BACKWARD:
