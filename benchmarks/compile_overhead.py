@@ -12,6 +12,7 @@ Run: python benchmarks/compile_overhead.py [--layers 2 8 32] [--fallback inducto
 
 import argparse
 import copy
+import gc
 import statistics
 import sys
 import time
@@ -102,12 +103,14 @@ def versus_rows(args) -> list:
         for _ in range(args.repeat):  # interleaved, so that load on the machine hits both alike
             mine = copy.deepcopy(gm)
             forget_shown_equal()  # every rewrite validated again, as in a fresh process
+            gc.collect()  # (each side from a collected heap: neither collects the garbage the other left)
             with nf.config.patch(translation_validation=True, disabled_fusions=args.disable):
                 start = time.process_time()
                 report = PassManager()(mine)
                 ours.append(time.process_time() - start)
             fused = len(report.matches)
             other = copy.deepcopy(gm)
+            gc.collect()
             start = time.process_time()
             replaced = patterns.apply(other.graph)
             theirs.append(time.process_time() - start)
