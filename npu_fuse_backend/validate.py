@@ -65,7 +65,9 @@ Otherwise:
    ``[S, S]`` attention map; an MLA's heads and its 128-wide nope dim), each integer argument
    following the dim it names, found by trying; where that fails, per value. A shrink is used
    only if every node, run on meta tensors, gets the shape the shrink predicts, so the shrunk
-   problem is the same program at other sizes; sizes that break that stay real. Symbolic sizes
+   problem is the same program at other sizes; sizes that break that stay real. (A pointwise op's
+   shape there is its inputs' broadcast, a softmax's or a cast's its input's: their meta kernels,
+   Python and slow, are not run.) Symbolic sizes
    are symbols: the shrunk run sets each one to a small value that satisfies every guard of the
    graph's shape environment.
 2. *Confirmation*, one per shrunk size (or symbol): that size at its real length (the hint of
@@ -1276,8 +1278,15 @@ def _meta_leaf(leaf: Node, problem: _Problem) -> Any:
         return _at(value, problem.symbols) if _is_sym(value) else value
     shape = problem.leaf_shape(leaf)
     stored, inverse = _layout(value, shape)
-    drawn = torch.empty(stored, dtype=value.dtype, device="meta")
-    return drawn.permute(inverse).expand(shape) if shape else drawn
+    return _arranged(torch.empty(stored, dtype=value.dtype, device="meta"), inverse, shape)
+
+
+def _arranged(stored: torch.Tensor, inverse: list, shape: list) -> torch.Tensor:
+    """A leaf drawn in its memory order (``_layout``) as the leaf: permuted to its dim order and expanded
+    where it is broadcast (each view only where it changes something: on meta tensors they are slow)."""
+    if inverse != list(range(len(inverse))):
+        stored = stored.permute(inverse)
+    return stored.expand(shape) if list(stored.shape) != list(shape) else stored
 
 
 def _layout(value: torch.Tensor, shape: list) -> tuple:
@@ -1348,7 +1357,7 @@ class _Draws:
         shape = self.problem.leaf_shape(leaf)
         stored, inverse = _layout(value, shape)
         drawn = self._values(stored, value.dtype, value.device, g, leaf, position, probe, tuple(shape))
-        return drawn.permute(inverse).expand(shape) if shape else drawn
+        return _arranged(drawn, inverse, shape)
 
     def _values(self, shape, dtype, device, g, leaf: Node, position: int, probe: str, logical=()) -> torch.Tensor:
         if dtype.is_floating_point or dtype.is_complex:
@@ -1552,7 +1561,7 @@ def _meta_by_rule(node: Node, args: tuple) -> Optional[torch.Tensor]:
     if len(shape) != value.dim():
         return None
     stored, inverse = _layout(value, list(shape))
-    return torch.empty(stored, dtype=value.dtype, device="meta").permute(inverse)
+    return _arranged(torch.empty(stored, dtype=value.dtype, device="meta"), inverse, list(shape))
 
 
 def _broadcast(shapes: list) -> tuple:

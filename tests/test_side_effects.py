@@ -210,7 +210,7 @@ def test_a_fusion_registered_in_main_without_a_source_file_keys_the_cache():
 def test_a_fusion_registered_from_stdin_never_breaks_an_inductor_compile():
     code = REPL_FUSION + ("f = torch.compile(lambda x: x.sin() + 1, backend='npu_fuse')\n"
                           "x = torch.randn(8)\n"
-                          "assert torch.allclose(f(x), x.sin() + 1)\n"
+                          "assert torch.allclose(f(x), x.sin() + 1, atol=1e-6)\n"  # (inductor's sin: within an ulp)
                           "print('compiled')\n")
     env = dict(os.environ, NPU_FUSE_FALLBACK="inductor", TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
     done = repl(code, "stdin", env)

@@ -548,3 +548,53 @@ def test_sampled_rows_keep_their_real_positions():
     finally:
         validate.MEMORY_BUDGET = old_budget
     assert report.matches == [] and "sampled rows" in report.near_misses[0].reason
+
+
+# -- the shapes of a shrunk problem ----------------------------------------------------------------
+@pytest.mark.parametrize("op, shapes, extra", [
+    (torch.ops.aten.mul.Tensor, [(3, 1, 5), (4, 1)], ()),  # broadcast both ways
+    (torch.ops.aten.add.Tensor, [(2, 3, 5), ()], ()),  # a 0-dim tensor
+    (torch.ops.aten.where.self, [(1, 5), (3, 5), (3, 1)], ()),
+    (torch.ops.aten._softmax.default, [(3, 7)], (-1, False)),
+    (torch.ops.aten._softmax_backward_data.default, [(3, 7), (3, 7)], (-1, torch.float32)),
+])
+def test_a_meta_run_gives_pointwise_ops_and_softmaxes_the_shape_their_meta_kernel_gives(op, shapes, extra):
+    """A shrunk problem's shapes come from a run on meta tensors; these ops' shapes come from a rule
+    (their meta kernels are Python and slow): the rule's shape is the kernel's, in the traced layout."""
+    graph = torch.fx.Graph()
+    inputs = [graph.placeholder(f"x{i}") for i in range(len(shapes))]
+    node = graph.call_function(op, (*inputs, *extra))
+    args = [torch.empty(s, device="meta") if op is not torch.ops.aten.where.self or i else
+            torch.empty(s, dtype=torch.bool, device="meta") for i, s in enumerate(shapes)]
+    node.meta["val"] = op(*args, *extra)
+    ruled = validate._meta_by_rule(node, (*args, *extra))
+    assert ruled is not None and ruled.shape == node.meta["val"].shape and ruled.dtype == node.meta["val"].dtype
+    assert ruled.stride() == node.meta["val"].stride()
+
+
+def test_a_meta_run_by_rule_raises_where_the_shrunk_shapes_do_not_fit():
+    """Shapes a shrink made inconsistent (a broadcast of 5 against 7) raise as the meta kernel would, so
+    the shrink is not used; an op with no rule (a matmul) runs its kernel."""
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    mul, mm = graph.call_function(torch.ops.aten.mul.Tensor, (a, b)), graph.call_function(torch.ops.aten.mm.default, (a, b))
+    mul.meta["val"] = torch.empty(3, 5, device="meta")
+    mm.meta["val"] = torch.empty(3, 3, device="meta")
+    with pytest.raises(RuntimeError, match="do not broadcast"):
+        validate._meta_by_rule(mul, (torch.empty(3, 5, device="meta"), torch.empty(3, 7, device="meta")))
+    sbd = graph.call_function(torch.ops.aten._softmax_backward_data.default, (a, b, -1, torch.float32))
+    sbd.meta["val"] = torch.empty(3, 5, device="meta")
+    with pytest.raises(RuntimeError, match="differ"):
+        validate._meta_by_rule(sbd, (torch.empty(3, 5, device="meta"), torch.empty(3, 7, device="meta"), -1,
+                                     torch.float32))
+    assert validate._meta_by_rule(mm, (torch.empty(3, 4, device="meta"), torch.empty(4, 3, device="meta"))) is None
+
+
+def test_a_meta_run_by_rule_keeps_the_traced_dim_order_of_a_permuted_result():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    node = graph.call_function(torch.ops.aten.neg.default, (x,))
+    transposed = torch.empty(3, 5, device="meta").t()  # [5, 3], strides (1, 5): neg keeps that order
+    node.meta["val"] = torch.ops.aten.neg.default(transposed)
+    ruled = validate._meta_by_rule(node, (transposed,))
+    assert ruled.shape == (5, 3) and ruled.stride() == node.meta["val"].stride() == (1, 5)
