@@ -1609,7 +1609,8 @@ class Analysis:
         """(signature, nodes): every node the evaluation of anchor can read (the lane ops reached from
         it and the nodes they read), each by its op, constant arguments, meta and inputs (by index), the
         order of the leaves in the graph, and which nodes each leaf depends on; or None past a bound."""
-        order, index, stack = [], {}, [anchor]
+        order, index, follows, stack = [], {}, [], [anchor]  # follows[i]: order[i] is a lane op (or the anchor)
+        lane_op = self.lane_op
         while stack:
             n = stack.pop()
             if n in index:
@@ -1618,22 +1619,22 @@ class Analysis:
             order.append(n)
             if len(order) > 2 * MAX_REGION:
                 return None
-            if n is anchor or self.lane_op(n) is not None:
+            follows.append(n is anchor or lane_op(n) is not None)
+            if follows[-1]:
                 stack.extend(reversed(n._input_nodes))  # (FX's dict of a node's inputs, in argument order)
         candidates = set(self._leaves(anchor)[0])  # what may be taken as x: these leaves, or lane ops
         entries, leaves = [], []
         for i, n in enumerate(order):
-            leaf = bool(i) and self.lane_op(n) is None
+            leaf = bool(i) and not follows[i]
             if leaf:
                 leaves.append(i)
             desc, inputs = self._describe(n, leaf)
             entries.append((desc, tuple([index[a] for a in inputs])))
-        position = self.position
-        ranks = tuple(sorted(leaves, key=lambda i: position.get(order[i], 0)))
-        xs = [j for j, n in enumerate(order) if n in candidates or (j and self.lane_op(n) is not None)]
+        at = [self.position.get(n, 0) for n in order]
+        ranks = tuple(sorted(leaves, key=at.__getitem__))
+        xs = [j for j, n in enumerate(order) if (j and follows[j]) or n in candidates]
         depends = tuple((i, j) for i in leaves for j in xs
-                        if j != i and position.get(order[i], 0) > position.get(order[j], 0)
-                        and self.depends(order[i], order[j]))
+                        if at[i] > at[j] and self.depends(order[i], order[j]))
         return (tuple(entries), ranks, depends), order
 
     def _describe(self, node: Node, leaf: bool) -> tuple:
@@ -1655,7 +1656,8 @@ class Analysis:
                          else None), ()
             else:
                 inputs: list = []
-                found = (node.target, _encoded(node.args, inputs), _encoded(node.kwargs, inputs), meta), tuple(inputs)
+                kwargs = _encoded(node.kwargs, inputs) if node.kwargs else ()  # (most have none)
+                found = (node.target, _encoded(node.args, inputs), kwargs, meta), tuple(inputs)
             self._descriptions[key] = found
         return found
 
@@ -1857,7 +1859,10 @@ _MISSING = object()
 def _encoded(arg, inputs: list):
     """arg as a hashable constant, each node replaced by a marker and appended to inputs."""
     kind = type(arg)
-    if kind in _PLAIN_CONSTANTS:  # (the common arguments first: every node of every signature)
+    if kind is Node:  # (the common arguments first: every node of every signature)
+        inputs.append(arg)
+        return _NODE
+    if kind in _PLAIN_CONSTANTS:
         return arg
     if isinstance(arg, Node):
         inputs.append(arg)

@@ -444,7 +444,7 @@ class _Validation:
         for node in [*self.bridge, *self.original, *self.inserted]:
             index[node] = len(index)
             try:
-                encoded = _signed(node.args, index), _signed(node.kwargs, index)
+                encoded = _signed(node.args, index), _signed(node.kwargs, index) if node.kwargs else ()
             except (_NoSignature, KeyError):
                 return None
             named = _TARGET_NAMES.get(id(node.target))
