@@ -345,25 +345,30 @@ def test_report_is_logged_to_the_npu_fuse_logger(caplog):
     assert any("fused rotary_mul" in rec.getMessage() for rec in caplog.records)
 
 
-def _exploding_pass():
+def _rope_pass_building(name: str, around):
+    """A pass that matches as the RoPE pass and builds its replacement by ``around(build, b, anchor)``
+    (``build``: the RoPE pass's own)."""
     from npu_fuse_backend.passes.rope import RopeFusion
 
-    class ExplodingPass(RopeFusion):
-        """Matches like the RoPE pass, then fails while building its replacement."""
-        name = "exploding"
-
+    class Wrapped(RopeFusion):
         def match(self, ctx, anchor):
             rewrite = super().match(ctx, anchor)
             if rewrite is not None:
-                real_build = rewrite.build
-
-                def build(b):
-                    real_build(b)  # nodes are inserted, then the pass dies
-                    raise RuntimeError("boom")
-                rewrite.build = build
+                build = rewrite.build
+                rewrite.build = lambda b: around(build, b, anchor)
             return rewrite
 
-    return ExplodingPass
+    Wrapped.name = name
+    return Wrapped
+
+
+def _exploding_pass():
+    """Matches like the RoPE pass, then fails while building its replacement."""
+    def around(build, b, anchor):
+        build(b)  # nodes are inserted, then the pass dies
+        raise RuntimeError("boom")
+
+    return _rope_pass_building("exploding", around)
 
 
 @pytest.fixture
@@ -408,23 +413,11 @@ def test_rollback_restores_the_exact_graph(exploding_pass):
 def test_a_replacement_node_before_what_it_reads_leaves_the_graph_unfused_with_a_warning(monkeypatch):
     """A pass whose build inserts a node that reads the replacement built after it: the graph would
     read a value before computing it. The pass's edits are checked and undone, never handed on."""
-    from npu_fuse_backend.passes.rope import RopeFusion
+    def around(build, b, anchor):
+        b.call(torch.ops.aten.neg.default, anchor)  # reads the anchor: its replacement, once built
+        return build(b)
 
-    class Misordered(RopeFusion):
-        name = "misordered"
-
-        def match(self, ctx, anchor):
-            rewrite = super().match(ctx, anchor)
-            if rewrite is not None:
-                real_build = rewrite.build
-
-                def build(b):
-                    b.call(torch.ops.aten.neg.default, anchor)  # reads the anchor: its replacement, once built
-                    return real_build(b)
-                rewrite.build = build
-            return rewrite
-
-    monkeypatch.setattr(fusion, "_registry", {"misordered": Misordered})
+    monkeypatch.setattr(fusion, "_registry", {"misordered": _rope_pass_building("misordered", around)})
     monkeypatch.setattr(fusion, "_discovered", True)
 
     def fn(q, cos, sin):
