@@ -337,11 +337,14 @@ def attention_program(rng: random.Random, g: torch.Generator, lookalike: bool) -
     """Training attention: AOTAutograd writes softmax backward as ``_softmax_backward_data * scale``, or,
     with the scale inside the matmul (``baddbmm``'s alpha, q and k each scaled by its square root as
     SDPA's math decomposition does), both matmuls of the softmax backward times one scale. The
-    look-alike scales q only (Whisper, BART): the key's gradient reads the softmax backward unscaled."""
+    look-alike scales q only (Whisper, BART): the key's gradient reads the softmax backward unscaled.
+    A causal mask may be filled into the scores (nanoGPT): its backward zeros the softmax backward's
+    masked places before the scale."""
     dtype = rng.choice([torch.float32, torch.bfloat16])
     scaling = "q only" if lookalike else rng.choice(["mul", "div", "baddbmm alpha", "q and k by its root"])
     d = rng.choice([8, 16])
     values = rng.choice(VALUE_CLASSES)
+    masked = rng.random() < 0.5
 
     def fn(q, k, v):
         if scaling == "baddbmm alpha":
@@ -356,6 +359,8 @@ def attention_program(rng: random.Random, g: torch.Generator, lookalike: bool) -
         else:
             scores = q @ k.transpose(-1, -2)
             scores = scores * (d ** -0.5) if scaling == "mul" else scores / d ** 0.5
+        if masked:
+            scores = scores.masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
         return torch.softmax(scores, dim=-1) @ v
 
     def make_inputs():
@@ -366,7 +371,8 @@ def attention_program(rng: random.Random, g: torch.Generator, lookalike: bool) -
             with_values(values, g, [v])
         return [q, k, v]
 
-    return Program(f"training attention ({scaling} by scale) {str(dtype)[6:]}"
+    mask = ", causal mask filled in" if masked else ""
+    return Program(f"training attention ({scaling} by scale{mask}) {str(dtype)[6:]}"
                    f"{'' if values == 'normal' else ', ' + values + ' values'}", "softmax_grad", fn, make_inputs,
                    must_fuse=None if lookalike else "softmax_grad_ext",
                    must_not_fuse="softmax_grad_ext" if lookalike else None, grad_args=(0, 1, 2))

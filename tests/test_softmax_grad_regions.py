@@ -349,3 +349,60 @@ def test_a_query_scaled_before_its_matmul_leaves_the_softmax_backward_unscaled()
     assert any("also read unscaled" in r and "costs 1024 elements, as many as the 1024" in r for r in reasons), reasons
     for a, b in zip(got, eager):
         assert_close(a, b)
+
+
+# -- a mask filled into the scores (nanoGPT's causal mask) ------------------------------------------------
+def nanogpt_attention(q, k, v):
+    """karpathy/nanoGPT's CausalSelfAttention (its non-flash path): the scores scaled, the causal mask
+    filled in with -inf, softmax. The backward fills the mask's places of the softmax backward with zeros
+    before the scale: linear in it."""
+    seq = q.shape[-2]
+    att = (q @ k.transpose(-2, -1)) * (1.0 / q.shape[-1] ** 0.5)
+    att = att.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(att, dim=-1) @ v
+
+
+@pytest.mark.parametrize("dtype, autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
+                                             (torch.float32, True)], ids=["fp32", "bf16", "fp16", "autocast-bf16"])
+def test_a_masked_fill_of_the_scores_moves_the_scale_in_front_of_the_mask(dtype, autocast):
+    tensors = [torch.randn(2, 4, 8, 16, dtype=dtype) for _ in range(3)]
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        got, eager, reports = train(nanogpt_attention, *tensors)
+    (match,) = backward_matches(reports)
+    assert match.op == "softmax_grad_ext" and "masked_fill" in match.detail.split("scale moved in front of ")[1]
+    assert not near_miss_reasons(reports)
+    for a, b in zip(got, eager):
+        assert_close(a, b)
+
+
+def masked_backward(value):
+    def backward(g, p, mask):
+        return sbd(g, p, -1, torch.float32).masked_fill(mask, value) * 0.125
+    return backward
+
+
+def test_a_mask_filled_with_zeros_after_the_softmax_backward_fuses_and_any_other_value_does_not():
+    g, p, mask = torch.randn(3, 8, 8), probs(3, 8, 8), torch.ones(8, 8, dtype=torch.bool).triu(1)
+    gm, report = fused_graph(masked_backward(0.0), g, p, mask)
+    assert [m.op for m in report.matches] == ["softmax_grad_ext"]
+    assert_close(gm(g, p, mask), masked_backward(0.0)(g, p, mask))
+    gm, report = fused_graph(masked_backward(1.0), g, p, mask)  # s * fill(v, 1) is fill(s * v, s), not fill(s * v, 1)
+    assert report.matches == [] and "masked_fill" in report.near_misses[0].reason, report.near_misses
+
+
+def where_backward(other):
+    def backward(g, p, mask):
+        row = sbd(g, p, -1, torch.float32)
+        return torch.where(mask, other(row), row) * 0.125
+    return backward
+
+
+def test_a_where_with_zeros_on_one_side_is_linear_and_with_another_value_is_not():
+    g, p, mask = torch.randn(3, 8, 8), probs(3, 8, 8), torch.ones(8, 8, dtype=torch.bool).triu(1)
+    zeros = where_backward(torch.zeros_like)
+    gm, report = fused_graph(zeros, g, p, mask)
+    assert [m.op for m in report.matches] == ["softmax_grad_ext"]
+    assert_close(gm(g, p, mask), zeros(g, p, mask))
+    ones = where_backward(torch.ones_like)
+    gm, report = fused_graph(ones, g, p, mask)
+    assert report.matches == [] and report.near_misses, report.summary()

@@ -288,7 +288,7 @@ def _float_cast(node: Node) -> bool:
 MATMULS = (aten.bmm.default, aten.mm.default)
 LINEAR_TARGETS = frozenset((*UNARY_LINEAR, *DTYPE_CASTS, *MATMULS, aten.add.Tensor, aten.sub.Tensor,
                             aten.scatter.src, aten.scatter_add.default, aten.slice_scatter.default, aten.cat.default,
-                            aten.copy.default))
+                            aten.copy.default, aten.masked_fill.Scalar, aten.where.self))
 _SITE_TARGETS = (aten._softmax_backward_data.default, FMA, aten.sub.Tensor)  # what _site reads
 CORE_TARGETS = frozenset((aten._softmax_backward_data.default, FMA, aten.sub.Tensor, aten.mul.Tensor))
 
@@ -320,6 +320,12 @@ def linear_operands(node) -> Optional[list]:
         return [(args[0], "linear"), (args[1], "linear")]
     if is_call(node, aten.cat.default) and all(isinstance(a, Node) for a in args[0]):
         return [(a, "linear") for a in args[0]]
+    if is_call(node, aten.masked_fill.Scalar) and len(args) == 3 and all(isinstance(a, Node) for a in args[:2]) \
+            and type(args[2]) in (int, float) and args[2] == 0 and not node.kwargs:
+        # zeros where the mask is set (the backward of a masked_fill of the scores, nanoGPT's causal mask)
+        return [(args[0], "linear"), (args[1], "free")]
+    if is_call(node, aten.where.self) and len(args) == 3 and all(isinstance(a, Node) for a in args):
+        return [(args[0], "free"), (args[1], "linear"), (args[2], "linear")]  # (one side zeros: the same mask)
     if is_call(node, *MATMULS) and len(args) == 2 and all(isinstance(a, Node) for a in args) and not node.kwargs:
         return [(args[0], "either"), (args[1], "either")]
     if is_call(node, aten.copy.default) and len(args) == 2 and all(isinstance(a, Node) for a in args) \
