@@ -406,3 +406,22 @@ def test_a_where_with_zeros_on_one_side_is_linear_and_with_another_value_is_not(
     ones = where_backward(torch.ones_like)
     gm, report = fused_graph(ones, g, p, mask)
     assert report.matches == [] and report.near_misses, report.summary()
+
+
+def test_a_mask_computed_from_the_softmax_backward_is_not_linear():
+    """``masked_fill(v, v < 0, 0)`` is a relu of v, and ``where(v > 0, v, 0)`` too: the mask depends on the
+    values it fills, so the fill is not linear in them (a scale of -1 changes which places are zeroed)."""
+    g, p = torch.randn(3, 8, 8), probs(3, 8, 8)
+
+    def relu_fill(g, p):
+        row = sbd(g, p, -1, torch.float32)
+        return row.masked_fill(row < 0, 0.0) * 0.125
+
+    def relu_where(g, p):
+        row = sbd(g, p, -1, torch.float32)
+        return torch.where(row > 0, row, torch.zeros_like(row)) * 0.125
+
+    for fn in (relu_fill, relu_where):
+        gm, report = fused_graph(fn, g, p)
+        assert report.matches == [] and report.near_misses, report.summary()
+        assert_close(gm(g, p), fn(g, p))
