@@ -37,10 +37,10 @@ DEDUPLICATED = (aten.slice.Tensor, aten.select.int, aten.view.default, aten._uns
 PERMUTES = (aten.permute.default, aten.transpose.int, aten.t.default)
 _MAYBE_NOOP = {id(t) for t in (aten.slice.Tensor, *RESHAPES, *CASTS, *PERMUTES)}  # by id: OpOverloads hash slowly
 _DEDUPLICATED = {id(t) for t in DEDUPLICATED}
-SCALAR_OVERLOADS = ((aten.mul.Scalar, aten.mul.Tensor), (aten.div.Scalar, aten.div.Tensor))
-_TENSOR_OVERLOAD = {id(scalar): tensor for scalar, tensor in SCALAR_OVERLOADS}
+_SCALAR_OVERLOADS = ((aten.mul.Scalar, aten.mul.Tensor), (aten.div.Scalar, aten.div.Tensor))
+_TENSOR_OVERLOAD = {id(scalar): tensor for scalar, tensor in _SCALAR_OVERLOADS}
 _EDITED = tuple(dict.fromkeys((aten.slice.Tensor, *RESHAPES, *CASTS, *PERMUTES, *DEDUPLICATED,
-                               *(scalar for scalar, _ in SCALAR_OVERLOADS))))  # the ops canonicalize edits
+                               *(scalar for scalar, _ in _SCALAR_OVERLOADS))))  # the ops canonicalize edits
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1864,9 +1864,6 @@ def _encoded(arg, inputs: list):
         return _NODE
     if kind in _PLAIN_CONSTANTS:
         return arg
-    if isinstance(arg, Node):
-        inputs.append(arg)
-        return _NODE
     if isinstance(arg, (list, tuple)):
         return tuple([_encoded(a, inputs) for a in arg])
     if isinstance(arg, dict):
