@@ -26,6 +26,14 @@ def attention_inputs():
     return [torch.randn(2, 2, 8, 8, requires_grad=True) for _ in range(3)]
 
 
+def nanogpt_attention(q, k, v):
+    """nanoGPT's attention: the causal mask filled into the scaled scores; its backward zeros the mask's
+    places of the softmax backward before the scale (the mask stays a MaskedFill after SoftmaxGradExt)."""
+    att = (q @ k.transpose(-1, -2)) * 0.125
+    att = att.masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(att, dim=-1) @ v
+
+
 def deepseek_v3_rope():
     """transformers 5.x DeepSeek-V3's interleaved RoPE (pairs in, halves out) on q and k."""
     def rope(q, k, cos, sin):
@@ -72,6 +80,9 @@ CASES = {  # name: (function maker, inputs, training, {soc: {graph kind: fused o
         "generic": {"forward": [], "backward": []}, "Ascend910B": {"forward": [], "backward": []},
         "Ascend950": {"forward": ["interleave_rope"] * 2, "backward": ["interleave_rope_backward"] * 2}}),
     "attention-training": (lambda: attention, attention_inputs, True, {
+        "generic": {"forward": [], "backward": []}, "Ascend910B": {"forward": [], "backward": []},
+        "Ascend950": {"forward": [], "backward": ["softmax_grad_ext"]}}),
+    "nanogpt-attention-training": (lambda: nanogpt_attention, attention_inputs, True, {
         "generic": {"forward": [], "backward": []}, "Ascend910B": {"forward": [], "backward": []},
         "Ascend950": {"forward": [], "backward": ["softmax_grad_ext"]}}),
 }

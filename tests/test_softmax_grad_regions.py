@@ -375,6 +375,24 @@ def test_a_masked_fill_of_the_scores_moves_the_scale_in_front_of_the_mask(dtype,
         assert_close(a, b)
 
 
+def test_a_masked_fill_of_the_scores_under_dynamic_shapes_is_a_near_miss_naming_the_static_shapes():
+    nf.clear_reports()
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(2, 4, 8, 16, requires_grad=True) for _ in range(3))
+    with nf.config.patch(fallback="aot_eager"):
+        out = torch.compile(nanogpt_attention, backend="npu_fuse", dynamic=True)(q, k, v)
+    out.sum().backward()
+    grads = [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    nanogpt_attention(q, k, v).sum().backward()
+    for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+        assert_close(got, want)
+    reports = nf.get_reports()
+    assert not backward_matches(reports)
+    assert any("SoftmaxGradExt needs static shapes" in n.reason for r in reports for n in r.near_misses)
+
+
 def masked_backward(value):
     def backward(g, p, mask):
         return sbd(g, p, -1, torch.float32).masked_fill(mask, value) * 0.125
