@@ -557,8 +557,8 @@ def _plan_inputs(reads: list, replacement: frozenset = frozenset()) -> tuple:
         if node in seen:
             return
         seen.add(node)
-        if kind(node, 0) == "free" or (node.op == "placeholder" and _is_size(node)):
-            leaves.append(node)
+        if kind(node, 0) == "free" or (node.op == "placeholder" and _is_size(node)) or node.op == "get_attr":
+            leaves.append(node)  # (an attribute: its own value, read as a leaf)
             return
         for i in node.all_input_nodes:
             need(i)
