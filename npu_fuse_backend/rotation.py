@@ -51,6 +51,7 @@ import operator
 from typing import Any, Optional, Union
 
 import torch
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.fx import Graph, Node
 
 from .canonicalize import PERMUTES
@@ -287,13 +288,43 @@ _LANE_RULES_BY_TARGET = {
     aten.expand.default: _shaped(_expands_lanes),
     **{t: _shaped(lambda node, sv, nv: True) for t in (aten.view_as_complex.default, aten.view_as_real.default,
                                                          aten._conj.default)},
-    aten.flip.default: _shaped(lambda node, sv, nv: all(_lane_dim(d, sv.dim()) for d in node.args[1])),
+    **{t: _shaped(lambda node, sv, nv: all(_lane_dim(d, sv.dim()) for d in node.args[1]))
+       for t in (aten.flip.default, torch.ops.prims.rev.default)},  # (rev: inductor's flip)
+    **{t: (lambda node: _rule_index(node)) for t in (aten.index.Tensor, aten.index_put.default)},
+    aten.roll.default: _shaped(lambda node, sv, nv: _rolled_dims(node) is not None and
+                               all(_lane_dim(d, sv.dim()) for d in _rolled_dims(node))),
     aten.slice_backward.default: _shaped(lambda node, sv, nv: _lane_dim(node.args[2], nv.dim())),
     aten.select_backward.default: _shaped(lambda node, sv, nv: _lane_dim(node.args[2], nv.dim(), 2)),
     aten.select_scatter.default: _shaped(lambda node, sv, nv: _lane_dim(node.args[2], sv.dim(), 2)),
     aten.slice_scatter.default: _shaped(lambda node, sv, nv: _lane_dim(slice_scatter_args(node)[0], sv.dim())),
 }
 _LANE_RULES = {id(t): rule for t, rule in _LANE_RULES_BY_TARGET.items()}
+
+
+def _rule_index(node: Node) -> Optional[bool]:
+    """``x[..., idx]``: a gather of the last dim by one 1-D index (inductor's ``roll`` and ``flip``), or
+    its adjoint ``index_put(zeros, [..., idx], g)``; whether the index is a constant the interpretation
+    finds out."""
+    src, indices = node.args[0], node.args[1] if len(node.args) > 1 else None
+    if not isinstance(src, Node) or not isinstance(indices, (list, tuple)) or not isinstance(val(src), torch.Tensor):
+        return None
+    if len(indices) != val(src).dim() or any(i is not None for i in indices[:-1]) or not isinstance(indices[-1], Node):
+        return None
+    index = val(indices[-1])
+    ok = isinstance(index, torch.Tensor) and index.dim() == 1 and index.dtype in (torch.int64, torch.int32)
+    return True if ok else None
+
+
+def _rolled_dims(node: Node) -> Optional[list]:
+    """The dims of ``roll(x, shifts, dims)``, one static shift each; None for a roll of the flattened
+    tensor (no dims) or a symbolic shift."""
+    shifts, dims = call_arg(node, 1, "shifts"), call_arg(node, 2, "dims", [])
+    shifts = list(shifts) if isinstance(shifts, (list, tuple)) else [shifts]
+    dims = list(dims) if isinstance(dims, (list, tuple)) else [dims]
+    if not dims or len(dims) != len(shifts) or any(static_int(v) is None for v in shifts) or \
+            not all(isinstance(d, int) for d in dims):
+        return None
+    return dims
 
 
 def _split_on_lanes(split: Node) -> bool:
@@ -311,6 +342,85 @@ def _permutation(node: Node, nd: int) -> list:
         perm[a], perm[b] = perm[b], perm[a]
         return perm
     return [norm_dim(d, nd) for d in node.args[1]]
+
+
+CONSTANT_DEPTH = 8  # ops between a constant table and the attributes and factories it is computed from
+_NOT_CONSTANT = ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "empty_permuted")
+
+
+def _constant_op(target: Any) -> bool:
+    """An aten op whose result is a function of its arguments alone (no random draw, no uninitialized
+    memory, no mutation)."""
+    return isinstance(target, torch._ops.OpOverload) and target.namespace in ("aten", "prims") and \
+        torch.Tag.nondeterministic_seeded not in target.tags and not target._schema.is_mutable and \
+        target._opname not in _NOT_CONSTANT
+
+
+def _attribute_tensor(node: Node) -> Optional[torch.Tensor]:
+    """The real tensor a ``get_attr`` node reads where it is a literal the trace captured
+    (``_tensor_constant<N>``, never a module's buffer, which may change); None for a fake one, or none."""
+    if not str(node.target).split(".")[-1].startswith("_tensor_constant"):
+        return None
+    value = node.graph.owning_module
+    for name in str(node.target).split("."):
+        value = getattr(value, name, None)
+    if not isinstance(value, torch.Tensor) or is_fake(value) or value.device.type != "cpu":
+        return None
+    return value
+
+
+def _sign_parts(analysis: "Analysis", atom: Node, k: int) -> Optional[tuple]:
+    """(the table left or None, the sign of each of its lanes) for a table over its last k dims that is a
+    sign vector (a constant of 1s and -1s), or a product of a table and one; None for any other table."""
+    v = val(atom)
+    lanes = _static_shape(v.shape[max(v.dim() - k, 0):])
+    if lanes is None:
+        return None
+    values = analysis.signs(atom)
+    if values is not None:
+        return (None, values) if len(values) == _numel(lanes) else None
+    if not is_call(atom, aten.mul.Tensor) or not all(isinstance(a, Node) for a in atom.args[:2]):
+        return None
+    for table, sign in (atom.args[:2], atom.args[1::-1]):
+        tv, sv = val(table), val(sign)
+        if tv.shape != v.shape or tv.dtype != v.dtype or any(d != 1 for d in sv.shape[:max(sv.dim() - k, 0)]):
+            continue
+        values = analysis.signs(sign)
+        index = _broadcast_map(lanes, tuple(sv.shape[max(sv.dim() - k, 0):])) if values is not None else None
+        if index is None:
+            continue
+        inner = _sign_parts(analysis, table, k) or (table, (1,) * len(index))
+        return inner[0], tuple(s * values[i] for s, i in zip(inner[1], index))
+    return None
+
+
+def _signs_folded(analysis: "Analysis", polys: tuple) -> tuple:
+    """polys with every sign vector among the tables (a constant of 1s and -1s, or a table times one) read
+    as the signs of the terms: ``P(x) * (sin * signs)`` is ``±P(x) * sin`` lane by lane."""
+    parts: dict = {}
+    for p in polys:
+        for t in p:
+            for atom, comp, k, _ in t[3]:
+                if (atom, k) not in parts:
+                    parts[atom, k] = _sign_parts(analysis, atom, k) if comp == -1 else None
+    if not any(parts.values()):
+        return polys
+    out = []
+    for p in polys:
+        terms = []
+        for sign, lane, rounds, factors in p:
+            kept = []
+            for factor in factors:
+                found = parts[factor[0], factor[2]] if factor[1] == -1 else None
+                if found is None:
+                    kept.append(factor)
+                    continue
+                sign *= found[1][factor[3]]
+                if found[0] is not None:
+                    kept.append((found[0], -1, factor[2], factor[3]))
+            terms.append((sign, lane, rounds, tuple(sorted(kept, key=_fkey))))
+        out.append(tuple(terms))
+    return tuple(out)
 
 
 # -- the interpretation for one x --------------------------------------------------------------------------
@@ -561,7 +671,10 @@ def _copy(self: _Interpretation, node: Node) -> Any:
         raise _Opaque("a non-blocking copy")
     if not isinstance(src, Node) or not shape_eq(val(dst).shape, val(src).shape):
         raise _Opaque("copies a value of another shape")
-    return self.unary_like(node, src)
+    value = self.unary_like(node, src)
+    if isinstance(dst, Node) and self.analysis.depends(dst, self.x):  # (``out[..., h:] = x1`` after
+        value.region = value.region | {dst}  # ``out[..., :h] = -x2``: the view written is of the region,
+    return value  # and only its shape is read)
 
 
 def _lanes_of(self: _Interpretation, arg: Node, k_atom: int = 1) -> Lanes:
@@ -697,6 +810,76 @@ def _flip(self: _Interpretation, node: Node) -> Any:
     index = _gather([(strides[d], range(store[d] - 1, -1, -1) if d in flipped else range(store[d]))
                      for d in range(len(store))])
     return self.lanes(node, src.k, src.cplx, [src.polys[i] for i in index], [src])
+
+
+def _roll(self: _Interpretation, node: Node) -> Any:
+    """``roll(x, s, -1)``: lane t of the result is lane (t - s) mod L of x (``rotate_half`` without its sign,
+    the sign then in a table)."""
+    src = _lanes_of(self, node.args[0])
+    nd = val(node.args[0]).dim()
+    lead = nd - src.k
+    shifts = call_arg(node, 1, "shifts")
+    shifts = list(shifts) if isinstance(shifts, (list, tuple)) else [shifts]
+    by_dim: dict = {}
+    for d, shift in zip(_rolled_dims(node), shifts):
+        d = norm_dim(d, nd) - lead
+        if d < 0:
+            raise _Opaque(f"{node.name} rolls a leading dim")
+        by_dim[d] = by_dim.get(d, 0) + static_int(shift)
+    store = src.lane_shape + ((2,) if src.cplx else ())
+    strides = _strides(store)
+    index = _gather([(strides[d], [(t - by_dim[d]) % store[d] for t in range(store[d])] if d in by_dim
+                      else range(store[d])) for d in range(len(store))])
+    return self.lanes(node, src.k, src.cplx, [src.polys[i] for i in index], [src])
+
+
+def _index(self: _Interpretation, node: Node) -> Any:
+    """``x[..., idx]`` with idx a constant: lane t of the result is lane idx[t] of x."""
+    src = _lanes_of(self, node.args[0])
+    if src.cplx:
+        raise _Opaque(f"{node.name} gathers lanes of a complex value")
+    index = self.analysis.constant(node.args[1][-1])
+    if index is None:
+        raise _Opaque(f"{node.name} gathers lanes by an index that is not a constant")
+    with unset_fake_temporarily():
+        taken = [int(i) for i in index.tolist()]
+    store = src.lane_shape
+    n = store[-1]
+    if any(not -n <= i < n for i in taken):
+        raise _Opaque(f"{node.name} gathers a lane out of range")
+    strides = _strides(store)
+    order = _gather([(strides[d], [i % n for i in taken] if d == len(store) - 1 else range(store[d]))
+                     for d in range(len(store))])
+    return self.lanes(node, src.k, False, [src.polys[i] for i in order], [src])
+
+
+def _index_put(self: _Interpretation, node: Node) -> Any:
+    """``index_put(base, [..., idx], v, accumulate)`` with idx a constant: lane idx[t] of the result is
+    v's lane t, added to base's where ``accumulate`` (autograd's adjoint of a gather)."""
+    base, v = _lanes_of(self, node.args[0]), _lanes_of(self, node.args[2])
+    accumulate = call_arg(node, 3, "accumulate", False)
+    if base.cplx or v.cplx or base.k != v.k or base.perm or v.perm:
+        raise _Opaque(f"{node.name} writes lanes of another layout")
+    index = self.analysis.constant(node.args[1][-1])
+    if index is None:
+        raise _Opaque(f"{node.name} writes lanes by an index that is not a constant")
+    with unset_fake_temporarily():
+        taken = [int(i) for i in index.tolist()]
+    store, written = base.lane_shape, v.lane_shape
+    n = store[-1]
+    if written != store[:-1] + (len(taken),) or any(not -n <= i < n for i in taken) or \
+            (not accumulate and len({i % n for i in taken}) != len(taken)):
+        raise _Opaque(f"{node.name} writes lanes out of range, repeatedly or of another shape")
+    polys = list(base.polys)
+    rows = _numel(store[:-1])
+    for row in range(rows):
+        for t, i in enumerate(taken):
+            j = row * n + i % n
+            written_poly = v.polys[row * len(taken) + t]
+            polys[j] = polys[j] + written_poly if accumulate else written_poly
+    if any(len(p) > MAX_TERMS for p in polys):
+        raise _Opaque(f"more than {MAX_TERMS} terms per lane")
+    return self.lanes(node, base.k, False, polys, [base, v])
 
 
 def _select(self: _Interpretation, node: Node) -> Any:
@@ -898,6 +1081,18 @@ def _conj(self: _Interpretation, node: Node) -> Any:
     return Lanes(node, src.k, True, tuple(polys), src.rounds, src.region | {node})
 
 
+def _zeros_like(self: _Interpretation, node: Node) -> Any:
+    """Zeros shaped like a value computed from x (autograd's gradient of a lane written over): they read
+    only its shape, so they belong to the region that computes it."""
+    if node.target is aten.full_like.default and node.args[1] != 0:
+        raise _Opaque(f"{node.name} fills {node.args[1]}")
+    width = static_int(val(node).shape[-1])
+    if width is None:
+        raise _Opaque(self._symbolic(node))
+    cplx = val(node).is_complex()
+    return self.lanes(node, 1, cplx, [()] * (2 * width if cplx else width), [])
+
+
 _TRANSFERS = {
     aten.add.Tensor: _linear, aten.sub.Tensor: _linear, aten.mul.Tensor: _mul, aten.neg.default: _neg_node,
     **{t: _same for t in SAME}, **{t: _cast for t in DTYPE_CASTS}, aten.copy.default: _copy,
@@ -906,9 +1101,11 @@ _TRANSFERS = {
     aten.select.int: _select, operator.getitem: _getitem, aten.cat.default: _cat, aten.stack.default: _stack,
     aten.slice_backward.default: _slice_backward, aten.slice_scatter.default: _slice_scatter,
     aten.select_backward.default: _select_backward, aten.select_scatter.default: _select_scatter,
-    aten.squeeze.dims: _squeeze, aten.flip.default: _flip,
+    aten.squeeze.dims: _squeeze, aten.flip.default: _flip, torch.ops.prims.rev.default: _flip,
+    aten.roll.default: _roll, aten.index.Tensor: _index, aten.index_put.default: _index_put,
     aten.view_as_complex.default: _view_as_complex, aten.view_as_real.default: _view_as_real,
     aten._conj.default: _conj,
+    **{t: _zeros_like for t in (aten.zeros_like.default, aten.full_like.default, aten.new_zeros.default)},
 }
 _TRANSFER_IDS = {id(t): f for t, f in _TRANSFERS.items()}
 MIXING = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor)  # the ops whose lanes can have two terms
@@ -1228,10 +1425,15 @@ def classify(interp: _Interpretation, anchor: Node, value: Any, kind: str) -> Un
     computes it, or None when it is not rotation-like."""
     if not isinstance(value, Lanes) or value.cplx:
         return None
-    x, polys = interp.x, value.polys
+    x, polys = interp.x, _signs_folded(interp.analysis, value.polys)
     n = len(polys)
     if not n or max(len(p) for p in polys) > 2 or all(len(p) < 2 for p in polys):
         return None
+    for p in polys:  # a gather of x's lanes by an index this graph does not know (one the forward saved)
+        for atom in (f[0] for t in p for f in t[3] if len(p) == 2):
+            if atom in interp.why and is_call(atom, aten.index.Tensor, aten.index_put.default):
+                return Refusal(anchor, f"{interp.why[atom]}, so the lanes it moves cannot be followed", "rotary_mul",
+                               value.region)
     if len({t[1] for p in polys for t in p if t[1] != NO_X}) != n:
         return None
     mixes = any(len(p) == 2 and p[0][1] != NO_X and p[1][1] != NO_X for p in polys)
@@ -1308,10 +1510,12 @@ def classify(interp: _Interpretation, anchor: Node, value: Any, kind: str) -> Un
             lanes_text = f"lanes {o_s + t} and {o_s + u} of the result (rotating {piece})"
             if terms_b[t][0] * terms_b[u][0] != -1:
                 return refuse(f"sign error: {lanes_text} add their partners with the same sign ("
-                              f"{_signed(terms_b[t])} and {_signed(terms_b[u])}): a reflection, not a rotation", family)
+                              f"{_signed(terms_b[t])} and {_signed(terms_b[u])}): a reflection, not a rotation"
+                              f"{_unless_saved(kind, terms_b[t], terms_b[u])}", family)
             if terms_a[t][0] * terms_a[u][0] != 1:
                 return refuse(f"sign error: {lanes_text} take their own lanes with opposite signs ("
-                              f"{_signed(terms_a[t])} and {_signed(terms_a[u])}): not a rotation", family)
+                              f"{_signed(terms_a[t])} and {_signed(terms_a[u])}): not a rotation"
+                              f"{_unless_saved(kind, terms_a[t], terms_a[u])}", family)
     # precision
     out_dtype = val(anchor).dtype
     rounds = {t[2] for t in terms_a + terms_b}
@@ -1368,6 +1572,17 @@ def classify(interp: _Interpretation, anchor: Node, value: Any, kind: str) -> Un
     complex_form = any(is_call(n, aten.view_as_complex.default) for n in region)
     return Rotation(anchor, x, s_off, s_off + w, o_s, passthrough, form, backward, (r1, r2), x_rounds, op_dtype,
                     out_dtype, region, [], complex_form, lead_perm=value.perm)
+
+
+def _unless_saved(kind: str, *terms) -> str:
+    """In a backward graph, the tables that are its inputs (what the forward saved): a sign vector the
+    forward multiplied into one is not visible here."""
+    saved = sorted({f[0].name for t in terms for f in t[3] if f[0].op == "placeholder"
+                    and not f[0].name.startswith(("primals", "tangents"))})
+    if kind != "backward" or not saved:
+        return ""
+    return (f", unless a sign is in {', '.join(saved)}: the forward computed and saved it, and its values are "
+            "not known in the backward graph")
 
 
 def _signed(term) -> str:
@@ -1449,6 +1664,7 @@ class Analysis:
         self._descriptions: dict = {}
         self._distances: dict = {}
         self._leaves_of: dict = {}  # anchor -> _leaves(anchor) (a signature and an evaluation both read it)
+        self._constants: dict = {}  # node -> its values where computed from constants alone (else None)
         self.results: dict = {}  # anchor -> Rotation | Refusal
         self._deferred: set = set()  # anchors inside a rotary_mul Rotation: no pass would take them
         holders: dict = {}
@@ -1505,6 +1721,59 @@ class Analysis:
         if found is None:
             found = self._interpretations[x] = _Interpretation(self, x)
         return found
+
+    def constant(self, node: Node, depth: int = 0) -> Optional[torch.Tensor]:
+        """A small tensor's values where they are computed from constants alone (a literal
+        ``torch.tensor([-1., 1.])``, ``cat((-ones(h), ones(h)))``): deterministic aten ops of attributes
+        and factories, run on the CPU; else None."""
+        if node in self._constants:
+            return self._constants[node]
+        self._constants[node] = None
+        v = val(node)
+        if not isinstance(v, torch.Tensor) or v._has_symbolic_sizes_strides or v.numel() > MAX_LANES or \
+                depth > CONSTANT_DEPTH:
+            return None
+        found = None
+        if node.op == "get_attr":
+            found = _attribute_tensor(node)
+        elif node.op == "call_function" and _constant_op(node.target):
+            inputs = {}
+            for a in node.all_input_nodes:
+                inputs[a] = self.constant(a, depth + 1)
+                if inputs[a] is None:
+                    return None
+            args, kwargs = torch.fx.map_arg((node.args, node.kwargs), inputs.__getitem__)
+            if "device" in kwargs:
+                kwargs = {**kwargs, "device": torch.device("cpu")}
+            try:
+                with unset_fake_temporarily(), torch.no_grad():
+                    found = node.target(*args, **kwargs)
+            except Exception:  # (a constant that cannot be computed here is not known)
+                found = None
+        if not isinstance(found, torch.Tensor) or found.device.type != "cpu" or tuple(found.shape) != tuple(v.shape):
+            return None
+        self._constants[node] = found
+        return found
+
+    def constant_key(self, node: Node) -> Optional[tuple]:
+        """A constant's dtype and values, hashable (in a signature: its values decide lanes and signs)."""
+        found = self.constant(node)
+        if found is None:
+            return None
+        with unset_fake_temporarily():
+            values = found.reshape(-1).tolist()
+        return found.dtype, tuple(v.hex() if isinstance(v, float) else v for v in values)
+
+    def signs(self, node: Node) -> Optional[tuple]:
+        """A table's values, flat, where every one of them is 1 or -1 (a sign vector in a constant)."""
+        found = self.constant(node)
+        if found is None or found.is_complex() or found.dtype == torch.bool:
+            return None
+        with unset_fake_temporarily(), torch.no_grad():
+            flat = found.reshape(-1)
+            if not bool(((flat == 1) | (flat == -1)).all()):
+                return None
+            return tuple(int(v) for v in flat.tolist())
 
     def _anchors(self) -> list:
         """Anchor candidates: the sums of two tensors (and complex products) at most NEAR lane ops
@@ -1653,7 +1922,7 @@ class Analysis:
             if leaf:
                 zeros = node.target if is_call(node, *ZERO_FILLS, aten.full.default, aten.full_like.default) else None
                 found = ("leaf", meta, zeros, node.args[1] if zeros in (aten.full.default, aten.full_like.default)
-                         else None), ()
+                         else None, self.constant_key(node)), ()
             else:
                 inputs: list = []
                 kwargs = _encoded(node.kwargs, inputs) if node.kwargs else ()  # (most have none)

@@ -204,6 +204,18 @@ def deepseek_v2_split_complex(q, k_pe, freqs_cis, nope=8):
     return torch.cat((q_nope, out[0]), dim=-1), out[1]
 
 
+def lmdeploy_rotate_half_written_in_place(q, k, cos, sin):
+    """LMDeploy's default rotate_half writes the halves into an empty tensor (functionalized: an
+    empty_like and two slice_scatters; its backward, zeros copied into a gradient's half)."""
+    def rotate(x):
+        half = x.shape[-1] // 2
+        out = torch.empty_like(x)
+        out[..., :half] = -x[..., half:]
+        out[..., half:] = x[..., :half]
+        return out
+    return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+
+
 def _qk(b=2, n=4, s=6, d=16, dtype=torch.float32):
     return torch.randn(b, n, s, d, dtype=dtype), torch.randn(b, 2, s, d, dtype=dtype)
 
@@ -261,6 +273,8 @@ FORMS = {  # name: (fn, make args, indices of the inputs that get gradients, for
     "torch.vmap over the heads, interleaved": (
         vmapped_over_heads_interleaved, lambda: (torch.randn(6, 4, 16), *_tables((6,))), (0,),
         {"rotary_mul": 1}, {"rotary_mul_backward": 1}),
+    "LMDeploy rotate_half written in place": (lmdeploy_rotate_half_written_in_place,
+                                              lambda: (*_qk(), *_tables((1, 1, 6))), (0, 1), *ROPE2),
     "DeepSeek-V2 split q_pe, complex": (
         deepseek_v2_split_complex,
         lambda: (torch.randn(2, 4, 6, 24, dtype=torch.bfloat16), torch.randn(2, 1, 6, 16, dtype=torch.bfloat16),
@@ -326,6 +340,14 @@ def _halves(x):
     return x.chunk(2, dim=-1)
 
 
+def _written_in_place(x, first, second):
+    """LMDeploy's rotate_half with the halves it writes given."""
+    out = torch.empty_like(x)
+    out[..., :x.shape[-1] // 2] = first
+    out[..., x.shape[-1] // 2:] = second
+    return out
+
+
 LOOK_ALIKES = {  # name: (fn(q, cos, sin), a phrase of the reason)
     "halves swapped without a sign": (
         lambda q, c, s: q * c + torch.cat(_halves(q)[::-1], -1) * s, "a reflection, not a rotation"),
@@ -377,6 +399,12 @@ LOOK_ALIKES = {  # name: (fn(q, cos, sin), a phrase of the reason)
         lambda q, c, s: (q * c).bfloat16().float() + rotate_half(q) * s, "rounds to bfloat16 in the middle"),
     "x rounded for one term only": (
         lambda q, c, s: q * c + rotate_half(q.half().float()) * s, "rounded differently for the two terms"),
+    "written in place, both halves negated": (
+        lambda q, c, s: q * c + _written_in_place(q, -_halves(q)[1], -_halves(q)[0]) * s,
+        "a reflection, not a rotation"),
+    "written in place, halves swapped without a sign": (
+        lambda q, c, s: q * c + _written_in_place(q, _halves(q)[1], _halves(q)[0]) * s,
+        "a reflection, not a rotation"),
     "a lane left zero": (
         lambda q, c, s: q * c + torch.cat((-_halves(q)[1], torch.zeros_like(_halves(q)[0])), -1) * s,
         "the result"),
@@ -396,3 +424,95 @@ def test_look_alike_stays_unfused_with_a_near_miss(name):
 
 def test_there_are_at_least_as_many_look_alikes_as_forms():
     assert len(FORMS) >= 10 and len(LOOK_ALIKES) >= len(FORMS)
+
+
+# -- signs in a constant, lanes moved by roll, flip or a constant index (inference graphs) ----------------
+def _sign_vector(d=16):
+    return torch.cat([-torch.ones(d // 2), torch.ones(d // 2)])
+
+
+def _scattered(q):
+    """rotate_half(q) written by a scatter: each lane of q, signed, to its partner's place."""
+    z = torch.zeros_like(q)
+    z[..., torch.cat([torch.arange(8, 16), torch.arange(8)])] = q * -_sign_vector()
+    return z
+
+
+SIGN_FORMS = {  # name: (fn(q, cos, sin) with half-layout tables, its op and mode)
+    "roll, the sign in the sin table": (
+        lambda q, c, s: q * c + torch.roll(q, 8, -1) * (s * _sign_vector()), "mode=half"),
+    "a constant index, the sign a factor": (
+        lambda q, c, s: q * c + q[..., torch.cat([torch.arange(8, 16), torch.arange(8)])] * _sign_vector() * s,
+        "mode=half"),
+    "pairs flipped, the sign a literal tensor": (
+        lambda q, c, s: q * c + (q.unflatten(-1, (-1, 2)).flip(-1) * torch.tensor([-1.0, 1.0])).flatten(-2) * s,
+        "mode=interleave"),
+    "scattered into zeros by a constant index": (lambda q, c, s: q * c + _scattered(q) * s, "mode=half"),
+    "pairs reversed by prims.rev (inductor's flip)": (
+        lambda q, c, s: q * c + (torch.ops.prims.rev(q.unflatten(-1, (-1, 2)), [4]) *
+                                 torch.tensor([-1.0, 1.0])).flatten(-2) * s, "mode=interleave"),
+}
+SIGN_LOOK_ALIKES = {  # name: (fn(q, cos, sin), a phrase of the reason)
+    "roll without a sign": (lambda q, c, s: q * c + torch.roll(q, 8, -1) * (s * torch.ones(16)),
+                            "a reflection, not a rotation"),
+    "roll, every sign negative": (lambda q, c, s: q * c + torch.roll(q, 8, -1) * (s * -torch.ones(16)),
+                                  "a reflection, not a rotation"),
+    "roll by one lane": (lambda q, c, s: q * c + torch.roll(q, 1, -1) * (s * _sign_vector()), "not an involution"),
+    "a constant that is not a sign vector": (
+        lambda q, c, s: q * c + torch.roll(q, 8, -1) * (s * (2 * _sign_vector())), "a reflection, not a rotation"),
+}
+
+
+@pytest.mark.parametrize("name", SIGN_FORMS)
+def test_signs_in_constants_and_constant_lane_moves_fuse(name):
+    fn, mode = SIGN_FORMS[name]
+    q, (c, s) = torch.randn(2, 4, 6, 16), _tables((1, 1, 6))
+    with torch.no_grad():
+        out, reports = compile_fused(fn, q, c, s)
+    assert [(m.op, m.detail) for r in reports for m in r.matches] == [("rotary_mul", mode)], \
+        [r.summary() for r in reports]
+    assert not near_miss_reasons(reports)
+    assert_close(out, fn(q, c, s))
+
+
+@pytest.mark.parametrize("name", SIGN_LOOK_ALIKES)
+def test_sign_vector_look_alikes_stay_unfused_with_a_near_miss(name):
+    fn, phrase = SIGN_LOOK_ALIKES[name]
+    q, (c, s) = torch.randn(2, 4, 6, 16), _tables((1, 1, 6))
+    with torch.no_grad():
+        out, reports = compile_fused(fn, q, c, s)
+    assert fused_ops(reports) == [], [r.summary() for r in reports]
+    reasons = near_miss_reasons(reports)
+    assert len(reasons) == 1 and phrase in reasons[0], reasons
+    assert_close(out, fn(q, c, s))
+
+
+def test_an_index_read_at_run_time_is_not_a_constant_lane_move():
+    def fn(q, c, s, idx):
+        return q * c + q[..., idx] * _sign_vector() * s
+    q, (c, s) = torch.randn(2, 4, 6, 16), _tables((1, 1, 6))
+    idx = torch.cat([torch.arange(8, 16), torch.arange(8)])
+    with torch.no_grad():
+        out, reports = compile_fused(fn, q, c, s, idx)
+    assert fused_ops(reports) == [], [r.summary() for r in reports]
+    assert_close(out, fn(q, c, s, idx))
+
+
+@pytest.mark.parametrize("name, phrase", [
+    ("a constant index, the sign a factor", "an index that is not a constant"),
+    ("roll, the sign in the sin table", "its values are not known in the backward graph")])
+def test_aot_eager_training_fuses_the_forward_and_its_backward_says_why_not(name, phrase):
+    """aot_eager's partitioner saves the constant (the index, the signed sin) for the backward, where it
+    is a graph input: the forward fuses, the backward is a near-miss saying so, the gradients are eager's."""
+    fn = SIGN_FORMS[name][0]
+    q, (c, s) = torch.randn(2, 4, 6, 16, requires_grad=True), _tables((1, 1, 6))
+    out, _ = compile_fused(fn, q, c, s)
+    out.backward(torch.ones_like(out))
+    reports = nf.get_reports()  # (the backward compiles at .backward())
+    fused = {r.kind: [m.op for m in r.matches] for r in reports}
+    assert fused == {"forward": ["rotary_mul"], "backward": []}, [r.summary() for r in reports]
+    reasons = [n.reason for r in reports if r.kind == "backward" for n in r.near_misses]
+    assert len(reasons) == 1 and phrase in reasons[0], reasons
+    grad, q.grad = q.grad, None
+    fn(q, c, s).backward(torch.ones_like(out))
+    assert_close(grad, q.grad)
