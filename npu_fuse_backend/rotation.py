@@ -519,8 +519,18 @@ class _Interpretation:
         region = frozenset((node, *extra)).union(*(s.region for s in sources if isinstance(s, Lanes)))
         mixed = False
         out = []
+        signs: dict = {}  # atom -> a sign vector: a lane of x times its signs rounds as the lane alone
+
+        def signed_lane(factors: tuple) -> bool:
+            for atom, comp, _, _ in factors:
+                if atom not in signs:
+                    signs[atom] = comp == -1 and self.analysis.signs(atom) is not None
+                if not signs[atom]:
+                    return False
+            return True
+
         for poly in polys:
-            if len(poly) == 1 and not poly[0][3] and poly[0][1] != NO_X:
+            if len(poly) == 1 and poly[0][1] != NO_X and (not poly[0][3] or signed_lane(poly[0][3])):
                 s, lane, r, f = poly[0]
                 if not covers(dtype, r[-1] if r else self.x_dtype):
                     poly = ((s, lane, r + (dtype,), f),)

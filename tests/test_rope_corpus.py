@@ -516,3 +516,16 @@ def test_aot_eager_training_fuses_the_forward_and_its_backward_says_why_not(name
     grad, q.grad = q.grad, None
     fn(q, c, s).backward(torch.ones_like(out))
     assert_close(grad, q.grad)
+
+
+def test_a_lane_times_a_sign_vector_rounds_as_the_lane_alone():
+    """bf16 x, fp32 tables: ``x[..., idx] * signs`` in bf16 is exact (a sign), so it is no rounding in
+    the middle of the computation; the fused op's result is eager's within bf16's tolerance."""
+    def fn(q, c, s):  # (a tensor built outside would be a graph input, of values unknown when it compiles)
+        return q * c + q[..., torch.cat([torch.arange(8, 16), torch.arange(8)])] * _sign_vector().bfloat16() * s
+    q, (c, s) = torch.randn(2, 4, 6, 16).bfloat16(), _tables((1, 1, 6))
+    with torch.no_grad():
+        out, reports = compile_fused(fn, q, c, s)
+    assert fused_ops(reports) == ["rotary_mul"], [r.summary() for r in reports]
+    assert out.dtype == torch.float32
+    assert_close(out, fn(q, c, s))
