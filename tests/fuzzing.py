@@ -118,10 +118,38 @@ def _rot_pairs_odd_negated(x):  # -R(x), pairs
     return torch.stack((x[..., 1::2], -x[..., ::2]), dim=-1).flatten(-2)
 
 
+def _signs(x):  # rotate_half's signs as a constant table
+    h = x.shape[-1] // 2
+    return torch.cat([-torch.ones(h, dtype=x.dtype), torch.ones(h, dtype=x.dtype)])
+
+
+def _rot_half_roll(x):
+    return torch.roll(x, x.shape[-1] // 2, -1) * _signs(x)
+
+
+def _rot_half_constant_index(x):
+    h = x.shape[-1] // 2
+    return x[..., torch.cat([torch.arange(h, 2 * h), torch.arange(h)])] * _signs(x)
+
+
+def _rot_half_in_place(x):  # LMDeploy's
+    h = x.shape[-1] // 2
+    out = torch.empty_like(x)
+    out[..., :h] = -x[..., h:]
+    out[..., h:] = x[..., :h]
+    return out
+
+
+def _rot_pairs_flip_literal(x):
+    return (x.unflatten(-1, (-1, 2)).flip(-1) * torch.tensor([-1.0, 1.0], dtype=x.dtype)).flatten(-2)
+
+
 ROTATIONS = {"half/slice": _rot_half_slice, "half/chunk": _rot_half_chunk, "half/split*-1": _rot_half_split_mul,
              "half/negative-indices": _rot_half_negative_indices, "interleave/stack": _rot_pairs_stack,
              "interleave/unbind": _rot_pairs_unbind, "interleave/cat-unsqueeze": _rot_pairs_cat,
-             "half/sign on the other half": _rot_half_other_sign, "interleave/odd lane negated": _rot_pairs_odd_negated}
+             "half/sign on the other half": _rot_half_other_sign, "interleave/odd lane negated": _rot_pairs_odd_negated,
+             "half/roll*signs": _rot_half_roll, "half/constant index*signs": _rot_half_constant_index,
+             "half/written in place": _rot_half_in_place, "interleave/flip*literal signs": _rot_pairs_flip_literal}
 
 # mutations of R that change the math: none of them is a rotation a fused op computes
 LOOKALIKE_ROTATIONS = {
