@@ -843,22 +843,28 @@ def _roll(self: _Interpretation, node: Node) -> Any:
     return self.lanes(node, src.k, src.cplx, [src.polys[i] for i in index], [src])
 
 
+def _constant_index(self: _Interpretation, node: Node, verb: str, n: int) -> list:
+    """The lanes (0 <= i < n) an ``index``/``index_put`` of the last dim takes by its constant index."""
+    index = self.analysis.constant(node.args[1][-1])
+    if index is None:
+        raise _Opaque(f"{node.name} {verb} lanes by an index that is not a constant")
+    with unset_fake_temporarily():
+        taken = [int(i) for i in index.tolist()]
+    if any(not -n <= i < n for i in taken):
+        raise _Opaque(f"{node.name} {verb} a lane out of range")
+    return [i % n for i in taken]
+
+
 def _index(self: _Interpretation, node: Node) -> Any:
     """``x[..., idx]`` with idx a constant: lane t of the result is lane idx[t] of x."""
     src = _lanes_of(self, node.args[0])
     if src.cplx:
         raise _Opaque(f"{node.name} gathers lanes of a complex value")
-    index = self.analysis.constant(node.args[1][-1])
-    if index is None:
-        raise _Opaque(f"{node.name} gathers lanes by an index that is not a constant")
-    with unset_fake_temporarily():
-        taken = [int(i) for i in index.tolist()]
     store = src.lane_shape
     n = store[-1]
-    if any(not -n <= i < n for i in taken):
-        raise _Opaque(f"{node.name} gathers a lane out of range")
+    taken = _constant_index(self, node, "gathers", n)
     strides = _strides(store)
-    order = _gather([(strides[d], [i % n for i in taken] if d == len(store) - 1 else range(store[d]))
+    order = _gather([(strides[d], taken if d == len(store) - 1 else range(store[d]))
                      for d in range(len(store))])
     return self.lanes(node, src.k, False, [src.polys[i] for i in order], [src])
 
@@ -870,21 +876,16 @@ def _index_put(self: _Interpretation, node: Node) -> Any:
     accumulate = call_arg(node, 3, "accumulate", False)
     if base.cplx or v.cplx or base.k != v.k or base.perm or v.perm:
         raise _Opaque(f"{node.name} writes lanes of another layout")
-    index = self.analysis.constant(node.args[1][-1])
-    if index is None:
-        raise _Opaque(f"{node.name} writes lanes by an index that is not a constant")
-    with unset_fake_temporarily():
-        taken = [int(i) for i in index.tolist()]
     store, written = base.lane_shape, v.lane_shape
     n = store[-1]
-    if written != store[:-1] + (len(taken),) or any(not -n <= i < n for i in taken) or \
-            (not accumulate and len({i % n for i in taken}) != len(taken)):
-        raise _Opaque(f"{node.name} writes lanes out of range, repeatedly or of another shape")
+    taken = _constant_index(self, node, "writes", n)
+    if written != store[:-1] + (len(taken),) or (not accumulate and len(set(taken)) != len(taken)):
+        raise _Opaque(f"{node.name} writes lanes repeatedly or of another shape")
     polys = list(base.polys)
     rows = _numel(store[:-1])
     for row in range(rows):
         for t, i in enumerate(taken):
-            j = row * n + i % n
+            j = row * n + i
             written_poly = v.polys[row * len(taken) + t]
             polys[j] = polys[j] + written_poly if accumulate else written_poly
     if any(len(p) > MAX_TERMS for p in polys):
