@@ -1458,6 +1458,11 @@ def classify(interp: _Interpretation, anchor: Node, value: Any, kind: str) -> Un
     for p in polys:
         for t in p:
             for f in t[3]:
+                if f[0] in interp.why and f[0].op == "call_function" and \
+                        getattr(f[0].target, "_opname", "") in _NOT_CONSTANT:
+                    lanes = [j for j, q in enumerate(polys) if any(g[0] is f[0] for u in q for g in u[3])]
+                    return refuse(f"lanes {_runs(lanes)} of the result read {describe(f[0])}, memory nothing wrote "
+                                  "(a part of the tensor left unwritten)")
                 if f[0] in interp.why:
                     return refuse(f"table {f[0].name} depends on {x.name} ({interp.why[f[0]]}); RoPE tables must "
                                   "not vary with x")

@@ -513,3 +513,16 @@ def test_a_lane_times_a_sign_vector_rounds_as_the_lane_alone():
     assert fused_ops(reports) == ["rotary_mul"], [r.summary() for r in reports]
     assert out.dtype == torch.float32
     assert_close(out, fn(q, c, s))
+
+
+def test_a_half_left_unwritten_is_a_near_miss_naming_the_uninitialized_lanes():
+    """LMDeploy's form with its second write missing: those lanes read whatever memory held."""
+    def fn(q, c, s):
+        out = torch.empty_like(q)
+        out[..., :8] = -q[..., 8:]
+        return q * c + out * s
+    q, (c, s) = torch.randn(2, 4, 6, 16), _tables((1, 1, 6))
+    _, reports = compile_fused(fn, q, c, s)
+    assert fused_ops(reports) == [], [r.summary() for r in reports]
+    reasons = near_miss_reasons(reports)
+    assert len(reasons) == 1 and "lanes [8:16] of the result read empty_like" in reasons[0], reasons
