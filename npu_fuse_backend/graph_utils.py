@@ -39,6 +39,22 @@ def calls_of(graph: Any, targets: Iterable) -> list:
     return sorted(found)
 
 
+# ops whose result is whatever memory held (``torch.empty``): no value to compute or compare
+UNINITIALIZED = ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "empty_permuted")
+
+
+def uninitialized(node: Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target._opname in UNINITIALIZED
+
+
+def attribute(node: Node) -> Any:
+    """What a ``get_attr`` node reads of its graph's module (None where the module has no such attribute)."""
+    value = node.graph.owning_module
+    for name in str(node.target).split("."):
+        value = getattr(value, name, None)
+    return value
+
+
 def is_call(node: Any, *targets) -> bool:
     return isinstance(node, Node) and node.op == "call_function" and node.target in targets
 

@@ -56,8 +56,8 @@ from torch.fx import Graph, Node
 
 from .canonicalize import PERMUTES
 from .fusion import FusionPass, NotFused, PassContext
-from .graph_utils import VIEWS, aten, call_arg, calls_of, describe, dtype_name, is_call, norm_dim, shape_eq, size_eq, \
-    slice_args, slice_scatter_args, static_int, users_outside, val
+from .graph_utils import UNINITIALIZED, VIEWS, aten, attribute, call_arg, calls_of, describe, dtype_name, is_call, \
+    norm_dim, shape_eq, size_eq, slice_args, slice_scatter_args, static_int, uninitialized, users_outside, val
 from .matchers import CAST_KWARGS, DTYPE_CASTS, ZERO_FILLS
 
 SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
@@ -291,8 +291,8 @@ _LANE_RULES_BY_TARGET = {
     **{t: _shaped(lambda node, sv, nv: all(_lane_dim(d, sv.dim()) for d in node.args[1]))
        for t in (aten.flip.default, torch.ops.prims.rev.default)},  # (rev: inductor's flip)
     **{t: (lambda node: _rule_index(node)) for t in (aten.index.Tensor, aten.index_put.default)},
-    aten.roll.default: _shaped(lambda node, sv, nv: _rolled_dims(node) is not None and
-                               all(_lane_dim(d, sv.dim()) for d in _rolled_dims(node))),
+    aten.roll.default: _shaped(lambda node, sv, nv: _rolls(node) is not None and
+                               all(_lane_dim(d, sv.dim()) for d, _ in _rolls(node))),
     aten.slice_backward.default: _shaped(lambda node, sv, nv: _lane_dim(node.args[2], nv.dim())),
     aten.select_backward.default: _shaped(lambda node, sv, nv: _lane_dim(node.args[2], nv.dim(), 2)),
     aten.select_scatter.default: _shaped(lambda node, sv, nv: _lane_dim(node.args[2], sv.dim(), 2)),
@@ -315,16 +315,15 @@ def _rule_index(node: Node) -> Optional[bool]:
     return True if ok else None
 
 
-def _rolled_dims(node: Node) -> Optional[list]:
-    """The dims of ``roll(x, shifts, dims)``, one static shift each; None for a roll of the flattened
+def _rolls(node: Node) -> Optional[list]:
+    """(dim, static shift) of each dim ``roll(x, shifts, dims)`` rolls; None for a roll of the flattened
     tensor (no dims) or a symbolic shift."""
     shifts, dims = call_arg(node, 1, "shifts"), call_arg(node, 2, "dims", [])
-    shifts = list(shifts) if isinstance(shifts, (list, tuple)) else [shifts]
+    shifts = [static_int(v) for v in (shifts if isinstance(shifts, (list, tuple)) else [shifts])]
     dims = list(dims) if isinstance(dims, (list, tuple)) else [dims]
-    if not dims or len(dims) != len(shifts) or any(static_int(v) is None for v in shifts) or \
-            not all(isinstance(d, int) for d in dims):
+    if not dims or len(dims) != len(shifts) or None in shifts or not all(isinstance(d, int) for d in dims):
         return None
-    return dims
+    return list(zip(dims, shifts))
 
 
 def _split_on_lanes(split: Node) -> bool:
@@ -345,7 +344,6 @@ def _permutation(node: Node, nd: int) -> list:
 
 
 CONSTANT_DEPTH = 8  # ops between a constant table and the attributes and factories it is computed from
-_NOT_CONSTANT = ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "empty_permuted")
 
 
 def _constant_op(target: Any) -> bool:
@@ -353,7 +351,7 @@ def _constant_op(target: Any) -> bool:
     memory, no mutation)."""
     return isinstance(target, torch._ops.OpOverload) and target.namespace in ("aten", "prims") and \
         torch.Tag.nondeterministic_seeded not in target.tags and not target._schema.is_mutable and \
-        target._opname not in _NOT_CONSTANT
+        target._opname not in UNINITIALIZED
 
 
 def _attribute_tensor(node: Node) -> Optional[torch.Tensor]:
@@ -361,9 +359,7 @@ def _attribute_tensor(node: Node) -> Optional[torch.Tensor]:
     (``_tensor_constant<N>``, never a module's buffer, which may change); None for a fake one, or none."""
     if not str(node.target).split(".")[-1].startswith("_tensor_constant"):
         return None
-    value = node.graph.owning_module
-    for name in str(node.target).split("."):
-        value = getattr(value, name, None)
+    value = attribute(node)
     if not isinstance(value, torch.Tensor) or is_fake(value) or value.device.type != "cpu":
         return None
     return value
@@ -828,14 +824,12 @@ def _roll(self: _Interpretation, node: Node) -> Any:
     src = _lanes_of(self, node.args[0])
     nd = val(node.args[0]).dim()
     lead = nd - src.k
-    shifts = call_arg(node, 1, "shifts")
-    shifts = list(shifts) if isinstance(shifts, (list, tuple)) else [shifts]
     by_dim: dict = {}
-    for d, shift in zip(_rolled_dims(node), shifts):
+    for d, shift in _rolls(node):
         d = norm_dim(d, nd) - lead
         if d < 0:
             raise _Opaque(f"{node.name} rolls a leading dim")
-        by_dim[d] = by_dim.get(d, 0) + static_int(shift)
+        by_dim[d] = by_dim.get(d, 0) + shift
     store = src.lane_shape + ((2,) if src.cplx else ())
     strides = _strides(store)
     index = _gather([(strides[d], [(t - by_dim[d]) % store[d] for t in range(store[d])] if d in by_dim
@@ -1440,8 +1434,8 @@ def classify(interp: _Interpretation, anchor: Node, value: Any, kind: str) -> Un
     n = len(polys)
     if not n or max(len(p) for p in polys) > 2 or all(len(p) < 2 for p in polys):
         return None
-    for p in polys:  # a gather of x's lanes by an index this graph does not know (one the forward saved)
-        for atom in (f[0] for t in p for f in t[3] if len(p) == 2):
+    for p in (p for p in polys if len(p) == 2):  # x's lanes gathered by an index this graph does not know
+        for atom in (f[0] for t in p for f in t[3]):  # (one the forward saved)
             if atom in interp.why and is_call(atom, aten.index.Tensor, aten.index_put.default):
                 return Refusal(anchor, f"{interp.why[atom]}, so the lanes it moves cannot be followed", "rotary_mul",
                                value.region)
@@ -1458,8 +1452,7 @@ def classify(interp: _Interpretation, anchor: Node, value: Any, kind: str) -> Un
     for p in polys:
         for t in p:
             for f in t[3]:
-                if f[0] in interp.why and f[0].op == "call_function" and \
-                        getattr(f[0].target, "_opname", "") in _NOT_CONSTANT:
+                if f[0] in interp.why and uninitialized(f[0]):
                     lanes = [j for j, q in enumerate(polys) if any(g[0] is f[0] for u in q for g in u[3])]
                     return refuse(f"lanes {_runs(lanes)} of the result read {describe(f[0])}, memory nothing wrote "
                                   "(a part of the tensor left unwritten)")
@@ -1681,6 +1674,7 @@ class Analysis:
         self._distances: dict = {}
         self._leaves_of: dict = {}  # anchor -> _leaves(anchor) (a signature and an evaluation both read it)
         self._constants: dict = {}  # node -> its values where computed from constants alone (else None)
+        self._signs: dict = {}  # node -> its values where it is a sign vector (else None)
         self.results: dict = {}  # anchor -> Rotation | Refusal
         self._deferred: set = set()  # anchors inside a rotary_mul Rotation: no pass would take them
         holders: dict = {}
@@ -1782,14 +1776,15 @@ class Analysis:
 
     def signs(self, node: Node) -> Optional[tuple]:
         """A table's values, flat, where every one of them is 1 or -1 (a sign vector in a constant)."""
-        found = self.constant(node)
-        if found is None or found.is_complex() or found.dtype == torch.bool:
-            return None
-        with unset_fake_temporarily(), torch.no_grad():
-            flat = found.reshape(-1)
-            if not bool(((flat == 1) | (flat == -1)).all()):
-                return None
-            return tuple(int(v) for v in flat.tolist())
+        if node not in self._signs:
+            found, signs = self.constant(node), None
+            if found is not None and not found.is_complex() and found.dtype != torch.bool:
+                with unset_fake_temporarily(), torch.no_grad():
+                    flat = found.reshape(-1)
+                    if bool(((flat == 1) | (flat == -1)).all()):
+                        signs = tuple(int(v) for v in flat.tolist())
+            self._signs[node] = signs
+        return self._signs[node]
 
     def _anchors(self) -> list:
         """Anchor candidates: the sums of two tensors (and complex products) at most NEAR lane ops

@@ -116,7 +116,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
 
-from .graph_utils import describe
+from .graph_utils import attribute, describe, uninitialized
 
 log = logging.getLogger("npu_fuse")
 aten = torch.ops.aten
@@ -150,7 +150,6 @@ _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, at
           aten.select.int, aten.permute.default, aten.transpose.int, aten.t.default, aten.alias.default,
           aten.as_strided.default, aten.unflatten.int, aten.flatten.using_ints}
 _INDEX_PASSTHROUGH = _VIEWS | {aten._to_copy.default, aten.clone.default, torch.ops.prims.convert_element_type.default}
-_UNINITIALIZED = ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "empty_permuted")
 _ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
 
 
@@ -306,12 +305,6 @@ def _is_random(node: Node) -> bool:
     return target is torch.ops.higher_order.run_and_save_rng_state
 
 
-def _uninitialized(node: Node) -> bool:
-    """A node whose values are whatever memory holds (``empty``): a side may run it (it writes it
-    before reading), but its value is no input to compute."""
-    return isinstance(node.target, torch._ops.OpOverload) and node.target._opname in _UNINITIALIZED
-
-
 def _runnable(node: Node) -> bool:
     """A node the bridge may run: a known op (below) that neither draws random numbers nor mutates."""
     target = node.target
@@ -327,7 +320,8 @@ def _runnable(node: Node) -> bool:
 
 
 def _runnable_node(node: Node) -> bool:
-    return not _is_random(node) and not _uninitialized(node) and not _mutates(node) and _known(node)
+    # (an ``empty``'s value is no input to compute, though a side may run it: it writes it before reading)
+    return not _is_random(node) and not uninitialized(node) and not _mutates(node) and _known(node)
 
 
 # id(call target) -> (the target, _runnable of its calls) (asked of every node a bridge walks past; by id:
@@ -1273,7 +1267,7 @@ def _hint(x: Any) -> Any:
 def _meta_leaf(leaf: Node, problem: _Problem) -> Any:
     value = leaf.meta.get("val")
     if leaf.op == "get_attr":
-        return _attribute(leaf).to("meta")
+        return attribute(leaf).to("meta")
     if not isinstance(value, torch.Tensor):
         return _at(value, problem.symbols) if _is_sym(value) else value
     shape = problem.leaf_shape(leaf)
@@ -1344,7 +1338,7 @@ class _Draws:
     def _draw(self, leaf: Node, position: int, probe: str, gen: dict) -> Any:
         value = leaf.meta.get("val")
         if leaf.op == "get_attr":
-            return _attribute(leaf)
+            return attribute(leaf)
         if not isinstance(value, torch.Tensor):
             if isinstance(value, (int, float, bool)) or _is_sym(value):
                 return _at(value, self.problem.symbols)
@@ -1767,13 +1761,6 @@ def _beyond_tolerance(expected: torch.Tensor, got: torch.Tensor, probe: str, exa
 
 
 # -- helpers -----------------------------------------------------------------------------------
-def _attribute(node: Node) -> Any:
-    value = node.graph.owning_module
-    for name in node.target.split("."):
-        value = getattr(value, name)
-    return value
-
-
 def _topological(nodes: list) -> list:
     """nodes, each after the ones of them it reads: in graph order (FX orders nodes by position)."""
     return sorted(dict.fromkeys(nodes))
