@@ -52,6 +52,33 @@ def deepseek_v3_inputs(dtype=torch.bfloat16, grad=False):
     return make
 
 
+def lmdeploy_rope():
+    """LMDeploy's rotate_half, written into an empty tensor half by half, on q and k."""
+    def rotate(x):
+        out = torch.empty_like(x)
+        out[..., :32] = -x[..., 32:]
+        out[..., 32:] = x[..., :32]
+        return out
+
+    return lambda q, k, cos, sin: (q * cos + rotate(q) * sin) + (k * cos + rotate(k) * sin)
+
+
+def roll_signs_rope():
+    """rotate_half as a roll, its signs a constant table times sin, on q and k."""
+    def rope(x, cos, sin):
+        return x * cos + torch.roll(x, 32, -1) * (sin * torch.cat([-torch.ones(32), torch.ones(32)]))
+
+    return lambda q, k, cos, sin: rope(q, cos, sin) + rope(k, cos, sin)
+
+
+def rope_inputs(grad=False):
+    def make():
+        emb = torch.randn(1, 1, 8, 32).repeat(1, 1, 1, 2)
+        return (torch.randn(1, 2, 8, 64, requires_grad=grad), torch.randn(1, 1, 8, 64, requires_grad=grad),
+                emb.cos(), emb.sin())
+    return make
+
+
 NORMS = ["rms_norm", "add_rms_norm", "add_rms_norm"]  # a Llama layer's: the embeddings', the residuals'
 ROPE_TRAIN = {"forward": ["rotary_mul"] * 2, "backward": ["rotary_mul_backward"] * 2}
 LLAMA_TRAIN = {**ROPE_TRAIN, "forward": ["rotary_mul"] * 2 + NORMS}
@@ -79,6 +106,10 @@ CASES = {  # name: (function maker, inputs, training, {soc: {graph kind: fused o
     "deepseek-v3-training": (deepseek_v3_rope, deepseek_v3_inputs(torch.float32, grad=True), True, {
         "generic": {"forward": [], "backward": []}, "Ascend910B": {"forward": [], "backward": []},
         "Ascend950": {"forward": ["interleave_rope"] * 2, "backward": ["interleave_rope_backward"] * 2}}),
+    "lmdeploy-rope-training": (lmdeploy_rope, rope_inputs(grad=True), True, {
+        soc: ROPE_TRAIN for soc in ("generic", "Ascend910B", "Ascend950")}),
+    "roll-signs-rope-inference": (roll_signs_rope, rope_inputs(), False, {
+        soc: {"inference": ["rotary_mul"] * 2} for soc in ("generic", "Ascend910B", "Ascend950")}),
     "attention-training": (lambda: attention, attention_inputs, True, {
         "generic": {"forward": [], "backward": []}, "Ascend910B": {"forward": [], "backward": []},
         "Ascend950": {"forward": [], "backward": ["softmax_grad_ext"]}}),
