@@ -530,6 +530,9 @@ class _Interpretation:
                 s, lane, r, f = poly[0]
                 if not covers(dtype, r[-1] if r else self.x_dtype):
                     poly = ((s, lane, r + (dtype,), f),)
+            elif len(poly) == 1 and poly[0][1] == NO_X and len(poly[0][3]) == 1 and \
+                    covers(dtype, val(poly[0][3][0][0]).dtype):
+                pass  # a table's own value, held exactly (the lanes of an empty tensor not yet written over)
             elif poly:
                 mixed = True
             out.append(poly)

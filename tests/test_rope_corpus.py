@@ -526,3 +526,20 @@ def test_a_half_left_unwritten_is_a_near_miss_naming_the_uninitialized_lanes():
     assert fused_ops(reports) == [], [r.summary() for r in reports]
     reasons = near_miss_reasons(reports)
     assert len(reasons) == 1 and "lanes [8:16] of the result read empty_like" in reasons[0], reasons
+
+
+@pytest.mark.parametrize("dtype, table_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                                (torch.bfloat16, torch.float32)])
+def test_written_in_place_trains_fused_in_low_precision(dtype, table_dtype):
+    """The lanes of the empty tensor not yet written hold nothing of x: no rounding in the middle (bf16 x
+    with fp32 tables included); forward and backward fuse within the dtype's tolerance of eager."""
+    fn = FORMS["LMDeploy rotate_half written in place"][0]
+    q, k = (t.to(dtype) for t in _qk())
+    c, s = (t.to(table_dtype) for t in _tables((1, 1, 6)))
+    with nf.config.patch(fallback="aot_eager"):
+        got = _run(fn, (q, k, c, s), (0, 1), compiled=True)
+    reports = nf.get_reports()
+    assert {r.kind: [m.op for m in r.matches] for r in reports} == \
+        {"forward": ["rotary_mul"] * 2, "backward": ["rotary_mul_backward"] * 2}, [r.summary() for r in reports]
+    for g, e in zip(got, _run(fn, (q, k, c, s), (0, 1))):
+        assert_close(g, e, dtype)
