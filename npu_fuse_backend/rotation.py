@@ -191,8 +191,8 @@ def _is_pairs_view(src_shape, out_shape) -> bool:
         big, small = out_shape, src_shape
     else:
         return False
-    a, b, whole = static_int(small[-2]), static_int(small[-1]), static_int(big[-1])
-    return None not in (a, b, whole) and a * b == whole and 2 in (a, b) and shape_eq(small[:-2], big[:-1])
+    a, b = small[-2], small[-1]  # (a symbolic head dim too: its interpretation then says it is symbolic)
+    return 2 in (static_int(a), static_int(b)) and size_eq(a * b, big[-1]) and shape_eq(small[:-2], big[:-1])
 
 
 def _lane_dim(dim, ndim: int, lane_dims: int = 1) -> bool:

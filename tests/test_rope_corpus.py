@@ -543,3 +543,18 @@ def test_written_in_place_trains_fused_in_low_precision(dtype, table_dtype):
         {"forward": ["rotary_mul"] * 2, "backward": ["rotary_mul_backward"] * 2}, [r.summary() for r in reports]
     for g, e in zip(got, _run(fn, (q, k, c, s), (0, 1))):
         assert_close(g, e, dtype)
+
+
+def test_pairs_of_a_symbolic_head_dim_are_a_near_miss_not_a_silent_site():
+    """dynamic=True with the head dim taken from the input: ``view(..., -1, 2)`` splits a symbolic width
+    into pairs; the rotation is seen, and refused for its symbolic head dim."""
+    def fn(q, c, s):
+        p = q.view(*q.shape[:-1], -1, 2)
+        return q * c + torch.stack((-p[..., 1], p[..., 0]), -1).flatten(-2) * s
+    q, (c, s) = torch.randn(2, 4, 6, 16), _tables((1, 1, 6))
+    with torch.no_grad():
+        out, reports = compile_fused(fn, q, c, s, dynamic=True)
+    assert fused_ops(reports) == [], [r.summary() for r in reports]
+    reasons = near_miss_reasons(reports)
+    assert len(reasons) == 1 and "is symbolic" in reasons[0], reasons
+    assert_close(out, fn(q, c, s))
