@@ -120,6 +120,72 @@ def test_norm_and_log_softmax_backwards_are_not_softmax_backwards(fn):
     assert not [n for r in nf.get_reports() for n in r.near_misses if n.family == "softmax_grad"]
 
 
+# -- a softmax written by hand -------------------------------------------------------------------------
+def by_hand(q, k, v):
+    s = q @ k.transpose(-1, -2) * 0.25
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    return (e / e.sum(-1, keepdim=True)) @ v
+
+
+def by_hand_without_max(q, k, v):
+    e = torch.exp(q @ k.transpose(-1, -2) * 0.25)
+    return (e / e.sum(-1, keepdim=True)) @ v
+
+
+@pytest.mark.parametrize("fn", [by_hand, by_hand_without_max])
+def test_a_softmax_written_by_hand_is_a_near_miss_in_training(fn):
+    """Its backward is autograd's chain through the division and the sum (and the max): one near-miss
+    naming it, located at the user's code, gradients equal to eager's."""
+    tensors = [torch.randn(2, 4, 8, 16) for _ in range(3)]
+
+    def step(f):
+        leaves = [t.detach().requires_grad_() for t in tensors]
+        f(*leaves).pow(2).sum().backward()
+        return [t.grad for t in leaves]
+
+    nf.clear_reports()
+    with nf.config.patch(fallback="aot_eager"):
+        got = step(torch.compile(fn, backend="npu_fuse"))
+    reports = nf.get_reports()
+    assert not [m for r in reports for m in r.matches if m.family == "softmax_grad"]
+    (miss,) = [n for r in reports for n in r.near_misses if n.family == "softmax_grad"]
+    assert "a softmax written by hand" in miss.reason and "F.softmax" in miss.reason, miss.reason
+    lines, start = inspect.getsourcelines(fn)  # (at the user's softmax: its exp or its division)
+    file, line = miss.source.rsplit(":", 1)
+    assert file == __file__.replace(".pyc", ".py") and start < int(line) < start + len(lines), miss.source
+    for a, b in zip(got, step(fn)):
+        assert_close(a, b)
+
+
+@pytest.mark.parametrize("x1", ["e / Z / Z", "p / Z"])
+def test_the_by_hand_backward_is_found_in_both_spellings_of_its_second_division(x1):
+    """aot_eager's partitioner saves exp's output (e / Z / Z), inductor's the forward's p (p / Z)."""
+    def backward(g, e, z, p):
+        twice = e / z / z if x1 == "e / Z / Z" else p / z
+        return (g / z + (-g * twice).sum(-1, keepdim=True)) * e
+
+    e = torch.rand(4, 16) + 0.1
+    z = e.sum(-1, keepdim=True)
+    args = (torch.randn(4, 16), e, z, e / z)
+    gm, report = fused_graph(backward, *args)
+    (reason,) = [n.reason for n in report.near_misses]
+    assert "a softmax written by hand" in reason
+    assert_close(gm(*args), backward(*args))
+
+
+@pytest.mark.parametrize("fn", [
+    lambda g, e, z: (g / z + (g * (e / z / z)).sum(-1, keepdim=True)) * e,  # no negation: not a quotient's gradient
+    lambda g, e, z: (g / z + (-g * (e / z / (z + 1))).sum(-1, keepdim=True)) * e,  # another divisor
+    lambda g, e, z: (g / z + (-e * (e / z / z)).sum(-1, keepdim=True)) * e,  # the sum of another product
+])
+def test_look_alikes_of_the_by_hand_backward_are_no_sites(fn):
+    e = torch.rand(4, 16) + 0.1
+    args = (torch.randn(4, 16), e, e.sum(-1, keepdim=True))
+    gm, report = fused_graph(fn, *args)
+    assert not report.near_misses and not report.matches
+    assert_close(gm(*args), fn(*args))
+
+
 # -- inductor: one compile of every attention form ------------------------------------------------------
 def by_pattern(q, k, v):
     return torch.softmax((q @ k.transpose(-1, -2)) * 0.25, -1) @ v
@@ -154,7 +220,7 @@ def bf16_attention(q, k, v, mask):
 
 def every_attention(q, k, v, sink, mask, qb, kb, vb):
     fp32 = by_pattern(q, k, v) + users_sdpa(q, k, v) + divided(q, k, v, mask) + shared_probs(q, k, v, mask) \
-        + sinks(q, k, v, sink, mask)
+        + sinks(q, k, v, sink, mask) + by_hand(q, k, v)
     return fp32.pow(2).sum() + bf16_attention(qb, kb, vb, mask.bfloat16()).float().pow(2).sum()
 
 
@@ -185,6 +251,8 @@ def test_on_inductor_every_attention_softmax_backward_is_fused_or_reported():
     # terms), bf16 (in float32, the cast after it)
     assert [m.op for r in backward for m in r.matches] == ["softmax_grad_ext"] * 4, [r.summary() for r in reports]
     misses = [n for r in reports for n in r.near_misses if n.family == "softmax_grad"]
+    (written_by_hand,) = [n for n in misses if "a softmax written by hand" in n.reason]  # (p saved, exp recomputed)
+    misses.remove(written_by_hand)
     assert all("taken by inductor's SDPA pattern (attention fused by inductor itself)" in n.reason
                for n in misses), [n.reason for n in misses]
     # the two attentions inductor turned into SDPA, each located at its own code; the user's own SDPA call:

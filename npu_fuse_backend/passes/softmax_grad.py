@@ -50,7 +50,12 @@ op depend on its own output. The SoC limit (the GE op exists on Ascend950 only) 
 No silent site: every softmax backward (``_softmax_backward_data`` and the decomposed chains
 above) that no scale multiply takes is a near-miss saying where its result goes; on inductor, an
 attention that inductor's own joint-graph pattern turned into scaled_dot_product_attention is a
-near-miss saying so (the backward graph then holds an SDPA backward no user code called).
+near-miss saying so (the backward graph then holds an SDPA backward no user code called). A softmax
+written by hand (``exp(s - max) / sum(exp(s - max))``) leaves no softmax backward at all: autograd's
+chain through the division, the sum and the max reads the exp's output and the sum (two saved values,
+or a recomputed exp beside the saved forward softmax), which the backward graph does not show to be
+one softmax; its heart, the quotient's gradient ``g / Z + sum(-g * e / Z / Z)``, is a near-miss saying
+so (``by_division``).
 """
 
 import dataclasses
@@ -289,7 +294,8 @@ MATMULS = (aten.bmm.default, aten.mm.default)
 LINEAR_TARGETS = frozenset((*UNARY_LINEAR, *DTYPE_CASTS, *MATMULS, aten.add.Tensor, aten.sub.Tensor,
                             aten.scatter.src, aten.scatter_add.default, aten.slice_scatter.default, aten.cat.default,
                             aten.copy.default, aten.masked_fill.Scalar, aten.where.self))
-_SITE_TARGETS = (aten._softmax_backward_data.default, FMA, aten.sub.Tensor)  # what _site reads
+_SITE_TARGETS = (aten._softmax_backward_data.default, FMA, aten.sub.Tensor,
+                 aten.add.Tensor)  # what _site and by_division read
 CORE_TARGETS = frozenset((aten._softmax_backward_data.default, FMA, aten.sub.Tensor, aten.mul.Tensor))
 
 
@@ -872,6 +878,11 @@ class SoftmaxGradFusion(FusionPass):
         """A softmax backward that no scale anchor took: a near-miss saying where its result goes."""
         if node in self._covered(ctx):  # (before the costlier match)
             return None
+        if is_call(node, aten.add.Tensor):
+            divided = by_division(node)
+            if divided is not None:
+                raise NotFused(_by_division_reason(divided), near=[divided])
+            return None
         core = self._site(node)
         if core is None:
             return None
@@ -901,6 +912,40 @@ class SoftmaxGradFusion(FusionPass):
             if other is not None and x1 in (binary_operands(other, aten.mul.Tensor) or ()):
                 return node
         return None
+
+
+# -- a softmax written by hand -----------------------------------------------------------------------
+def by_division(add: Node) -> Optional[Node]:
+    """The gradient of ``e`` in ``p = e / sum(e, -1, keepdim)`` as autograd writes it, ``g / Z +
+    sum(-g * (e / Z / Z))`` (Z the sum, the sum term expanded back; ``p / Z`` for ``e / Z / Z`` where the
+    forward's p is saved), where add is that sum: the heart
+    of the backward of a softmax written by hand, ``exp(s - max) / sum(exp(s - max))``; returns the
+    gradient of the exp's input (the add times the exp's output) if the graph computes it, else add."""
+    for direct, total in (add.args, add.args[::-1]):
+        if is_call(total, aten.expand.default):
+            total = total.args[0]
+        if not is_call(direct, aten.div.Tensor) or not is_call(total, aten.sum.dim_IntList) or \
+                not call_arg(total, 2, "keepdim", False):
+            continue
+        grad, divisor = direct.args[:2]
+        product = binary_operands(total.args[0], aten.mul.Tensor)
+        if product is None:
+            continue
+        for negated, twice in (product, product[::-1]):
+            # (e / Z / Z, or p / Z where the partitioner saved the forward's p = e / Z)
+            if is_call(negated, aten.neg.default) and negated.args[0] is grad and is_call(twice, aten.div.Tensor) \
+                    and twice.args[1] is divisor:
+                exp_grad = [u for u in add.users if binary_operands(u, aten.mul.Tensor) is not None]
+                return exp_grad[0] if len(exp_grad) == 1 else add
+    return None
+
+
+def _by_division_reason(node: Node) -> str:
+    return (f"{describe(node)} is the backward of a softmax written by hand (exp(s - max) / sum(exp(s - max))): "
+            "autograd differentiates the division and the sum apart, so the backward reads the exp's output and "
+            "the sum, not one softmax output x1 softmax_grad_ext could take (nothing in the backward graph says "
+            "that they are one softmax), and a subtracted max adds its own gradient; torch.softmax / F.softmax "
+            "leave a softmax backward, which fuses")
 
 
 class _TooLarge(Exception):
