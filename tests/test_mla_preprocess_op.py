@@ -206,10 +206,10 @@ def test_an_out_of_range_slot_is_an_index_error_and_writes_nothing(cache_mode, s
     a, kw = make_inputs(cache_mode=cache_mode, blocks=4, block_size=16)
     count = a["kv_cache"].shape[0] * a["kv_cache"].shape[1]
     a["slotmapping"][1] = slot * count // 64
-    before = a["kv_cache"].clone()
+    before, before_rope = a["kv_cache"].clone(), a["kv_cache_rope"].clone()
     with pytest.raises(IndexError, match=f"out of range for a cache of {count} slots"):
         run_op(a, kw)
-    assert torch.equal(a["kv_cache"], before)
+    assert torch.equal(a["kv_cache"], before) and torch.equal(a["kv_cache_rope"], before_rope)
     with pytest.raises(IndexError, match="out of bounds"):
         M.mla_preprocess_functional(**a, **kw, epsilon=1e-6)
 

@@ -251,8 +251,7 @@ def slot_rows(slots: Tensor, cache: Tensor) -> Tensor:
 
 
 def write_cache(cache: Tensor, rows: Tensor, slots: Tensor, nz: bool) -> None:
-    """cache[slot] = rows (ND or NZ layout), slots as Python indexes."""
-    check_slots(slots, cache)
+    """cache[slot] = rows (ND or NZ layout), slots as Python indexes (checked: :func:`check_slots`)."""
     slots, rows = slot_rows(slots, cache), rows.to(cache.dtype)
     blocks, block_size, _, dim = cache.shape
     if not nz:
@@ -344,6 +343,7 @@ def _mode_quantized(a: dict, s: dict) -> tuple:
 
 def _run(a: dict) -> tuple:
     check_mla_preprocess_args(a)
+    check_slots(a["slotmapping"], a["kv_cache"])  # (before any work: an out-of-range slot costs nothing)
     s = mla_preprocess_stages(a)
     mode, slots = a["cache_mode"], a["slotmapping"]
     if mode == KVCACHE:
