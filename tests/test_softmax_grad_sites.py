@@ -186,6 +186,27 @@ def test_look_alikes_of_the_by_hand_backward_are_no_sites(fn):
     assert_close(gm(*args), fn(*args))
 
 
+def top_k_renormalised(x):
+    """Mixtral's router: the top-k softmax weights divided by their sum (a division by a row sum, no exp)."""
+    weights, _ = torch.softmax(x, -1).topk(2, dim=-1)
+    return weights / weights.sum(-1, keepdim=True)
+
+
+def squares_normalised(x):
+    squares = x.pow(2)
+    return squares / squares.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("fn", [top_k_renormalised, squares_normalised])
+def test_a_division_by_a_row_sum_that_is_no_softmax_is_not_called_one(fn):
+    x = torch.randn(8, 16, requires_grad=True)
+    nf.clear_reports()
+    with nf.config.patch(fallback="aot_eager"):
+        torch.compile(fn, backend="npu_fuse")(x).pow(2).sum().backward()
+    reasons = [n.reason for r in nf.get_reports() for n in r.near_misses]
+    assert not [r for r in reasons if "written by hand" in r], reasons
+
+
 # -- inductor: one compile of every attention form ------------------------------------------------------
 def by_pattern(q, k, v):
     return torch.softmax((q @ k.transpose(-1, -2)) * 0.25, -1) @ v

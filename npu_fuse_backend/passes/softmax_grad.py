@@ -920,7 +920,7 @@ def by_division(add: Node) -> Optional[Node]:
     sum(-g * (e / Z / Z))`` (Z the sum, the sum term expanded back; ``p / Z`` for ``e / Z / Z`` where the
     forward's p is saved), where add is that sum: the heart
     of the backward of a softmax written by hand, ``exp(s - max) / sum(exp(s - max))``; returns the
-    gradient of the exp's input (the add times the exp's output) if the graph computes it, else add."""
+    gradient of the exp's input (the add times the exp's output), None where there is none."""
     for direct, total in (add.args, add.args[::-1]):
         if is_call(total, aten.expand.default):
             total = total.args[0]
@@ -935,9 +935,20 @@ def by_division(add: Node) -> Optional[Node]:
             # (e / Z / Z, or p / Z where the partitioner saved the forward's p = e / Z)
             if is_call(negated, aten.neg.default) and negated.args[0] is grad and is_call(twice, aten.div.Tensor) \
                     and twice.args[1] is divisor:
-                exp_grad = [u for u in add.users if binary_operands(u, aten.mul.Tensor) is not None]
-                return exp_grad[0] if len(exp_grad) == 1 else add
+                return next((u for u in add.users if _times_exp(u, add)), None)
     return None
+
+
+def _times_exp(node: Node, add: Node) -> bool:
+    """node is ``add * e`` with e the exp's output (the exp's own gradient): an ``exp`` the backward
+    computes again, or a saved value of add's shape (a placeholder, through detaches). A division by a
+    row sum that is no softmax (top-k routing weights renormalised) has no such multiply after it."""
+    operands = binary_operands(node, aten.mul.Tensor)
+    e = _other(operands, add) if operands is not None else None
+    while is_call(e, aten.detach.default, aten.alias.default):
+        e = e.args[0]
+    return isinstance(e, Node) and (is_call(e, aten.exp.default) or e.op == "placeholder") and \
+        shape_eq(val(e).shape, val(add).shape)
 
 
 def _by_division_reason(node: Node) -> str:
