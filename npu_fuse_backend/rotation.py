@@ -736,6 +736,8 @@ def _expand(self: _Interpretation, node: Node) -> Any:
     if len(out_shape) != len(in_shape) or not shape_eq(out_shape[:len(out_shape) - k], in_shape[:len(in_shape) - k]):
         raise _Opaque(f"{node.name} expands the leading dims of x")
     out_lanes = _static_shape(out_shape[len(out_shape) - k:])
+    if out_lanes is None:
+        raise _Opaque(self._symbolic(node))
     index = _broadcast_map(out_lanes + ((2,) if src.cplx else ()), src.lane_shape + ((2,) if src.cplx else ()))
     if index is None:
         raise _Opaque("does not broadcast its lanes")

@@ -157,6 +157,20 @@ def test_a_softmax_written_by_hand_is_a_near_miss_in_training(fn):
         assert_close(a, b)
 
 
+def test_a_softmax_written_by_hand_under_dynamic_shapes_is_a_near_miss_and_no_pass_fails():
+    """dynamic=True: the sequence length is symbolic; every pass runs (the RoPE recognizer met a symbolic
+    expand in the attention's backward and failed before), the by-hand softmax is reported."""
+    nf.clear_reports()
+    torch._dynamo.reset()
+    with nf.config.patch(fallback="aot_eager"):
+        compiled = torch.compile(by_hand, backend="npu_fuse", dynamic=True)
+        for seq in (8, 12):
+            compiled(*(torch.randn(2, 4, seq, 16, requires_grad=True) for _ in range(3))).sum().backward()
+    reports = nf.get_reports()
+    assert not [e for r in reports for e in r.errors], [e for r in reports for e in r.errors]
+    assert any("a softmax written by hand" in n.reason for r in reports if r.kind == "backward" for n in r.near_misses)
+
+
 @pytest.mark.parametrize("x1", ["e / Z / Z", "p / Z"])
 def test_the_by_hand_backward_is_found_in_both_spellings_of_its_second_division(x1):
     """aot_eager's partitioner saves exp's output (e / Z / Z), inductor's the forward's p (p / Z)."""
