@@ -132,7 +132,14 @@ def by_hand_without_max(q, k, v):
     return (e / e.sum(-1, keepdim=True)) @ v
 
 
-@pytest.mark.parametrize("fn", [by_hand, by_hand_without_max])
+def by_hand_spelled_otherwise(q, k, v):
+    """max(...).values, torch.div, and the sum squeezed and unsqueezed (its gradient squeezes and unsqueezes)."""
+    s = torch.matmul(q, k.transpose(2, 3)) / 4.0
+    e = (s - s.max(dim=-1, keepdim=True).values).exp()
+    return torch.matmul(torch.div(e, e.sum(dim=-1).unsqueeze(-1)), v)
+
+
+@pytest.mark.parametrize("fn", [by_hand, by_hand_without_max, by_hand_spelled_otherwise])
 def test_a_softmax_written_by_hand_is_a_near_miss_in_training(fn):
     """Its backward is autograd's chain through the division and the sum (and the max): one near-miss
     naming it, located at the user's code, gradients equal to eager's."""

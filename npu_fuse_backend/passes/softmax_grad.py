@@ -917,15 +917,16 @@ class SoftmaxGradFusion(FusionPass):
 # -- a softmax written by hand -----------------------------------------------------------------------
 def by_division(add: Node) -> Optional[Node]:
     """The gradient of ``e`` in ``p = e / sum(e, -1, keepdim)`` as autograd writes it, ``g / Z +
-    sum(-g * (e / Z / Z))`` (Z the sum, the sum term expanded back; ``p / Z`` for ``e / Z / Z`` where the
+    sum(-g * (e / Z / Z))`` (Z the sum, however it was kept or unsqueezed; the sum term expanded back; ``p / Z`` for ``e / Z / Z`` where the
     forward's p is saved), where add is that sum: the heart
     of the backward of a softmax written by hand, ``exp(s - max) / sum(exp(s - max))``; returns the
     gradient of the exp's input (the add times the exp's output), None where there is none."""
     for direct, total in (add.args, add.args[::-1]):
-        if is_call(total, aten.expand.default):
+        # (the row sum broadcast back: kept dim, or squeezed and unsqueezed again, then expanded)
+        while is_call(total, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.view.default,
+                      aten.reshape.default):
             total = total.args[0]
-        if not is_call(direct, aten.div.Tensor) or not is_call(total, aten.sum.dim_IntList) or \
-                not call_arg(total, 2, "keepdim", False):
+        if not is_call(direct, aten.div.Tensor) or not is_call(total, aten.sum.dim_IntList):
             continue
         grad, divisor = direct.args[:2]
         product = binary_operands(total.args[0], aten.mul.Tensor)
