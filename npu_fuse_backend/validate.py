@@ -961,6 +961,20 @@ class _Plan:
                     raise _Inconsistent(f"{node.name} is {list(got.shape)}, not {list(value.shape)} shrunk", node)
             problem.shapes[node] = tuple(got.shape)
 
+    def _at_most(self, problem: _Problem) -> int:
+        """A bound on both of :meth:`_bytes` at the real shapes: each of their at most seven terms holds
+        no more than every value of the rewrite at 16 bytes an element."""
+        elements = 0
+        for node in self.v.nodes:
+            value = node.meta.get("val")
+            for t in (value if isinstance(value, (tuple, list)) else (value,)):
+                if isinstance(t, torch.Tensor):
+                    shape = problem.shapes.get(node, t.shape)
+                    if not all(type(d) is int for d in shape):
+                        return MEMORY_BUDGET + 1  # (a symbolic size: the exact count decides)
+                    elements += math.prod(shape)
+        return 7 * 16 * elements
+
     def _bytes(self, problem: _Problem, precise: bool = False) -> int:
         """What an evaluation of ``problem`` holds at most: its inputs (a probe derives its values
         from the problem's uniform draw in place), then per side the clones of what it mutates, the
@@ -1008,6 +1022,9 @@ class _Plan:
         return inputs + outputs + largest
 
     def _fits(self, problem: _Problem, held: Optional[int] = None) -> None:
+        if held is None and not problem.lengths and self._at_most(problem) <= MEMORY_BUDGET:
+            problem.precise = True  # (a small rewrite at its real shapes: fits either way)
+            return
         held = self._bytes(problem) if held is None else held
         if held > MEMORY_BUDGET:
             what = f"the {problem.label} problem" if problem.label else "the rewrite at its real shapes"
@@ -1413,28 +1430,39 @@ def _scale_rows(values: torch.Tensor, dtype: torch.dtype, position: int):
     appear), so the rows an op reduces or contracts over (a last-dim row, a weight's rows for one
     output feature or one head) keep one magnitude: mixing magnitudes inside a reduction would make
     the problem ill-conditioned rather than test large values. A 1-D input scales element by element."""
-    levels = torch.tensor(MAGNITUDES.get(dtype, MAGNITUDES_DEFAULT), dtype=torch.float64)
+    levels = MAGNITUDES.get(dtype, MAGNITUDES_DEFAULT)
     if values.numel() <= 1:  # a scale, a temperature: positive and well above 1
         saved = values.clone()
-        values.abs_().add_(1).mul_(float(levels[2]))
+        values.abs_().add_(1).mul_(levels[2])
         return lambda: values.copy_(saved)
     lead = 1
     while lead < values.dim() - 1 and math.prod(values.shape[:lead]) < len(levels):
         lead += 1
     blocks = values.view(-1, 1) if values.dim() == 1 else values.view(math.prod(values.shape[:lead]), -1)
-    pattern = levels[(torch.arange(blocks.shape[0]) + position) % len(levels)].to(values.dtype)[:, None]
+    # block i gets levels[(i + position) % len(levels)]: the levels turned by position, repeated
+    turned = levels[position % len(levels):] + levels[:position % len(levels)]
+    pattern = torch.tensor(turned, dtype=values.dtype, device=values.device)
+    pattern = pattern.repeat(-(-blocks.shape[0] // len(levels)))[:blocks.shape[0], None]
     blocks.mul_(pattern)
     return lambda: blocks.div_(pattern)
 
 
 def _plant(values: torch.Tensor, specials: tuple, g: torch.Generator):
-    """The special values at a few places (in place); returns how to undo it."""
+    """The special values at a few distinct places (in place), spread over the input and over the lanes
+    of its rows (a stride coprime with the size from a random start); returns how to undo it."""
     flat = values.view(-1)
-    count = min(max(len(specials), flat.numel() // 97), 64, flat.numel())
-    places = torch.randint(0, max(flat.numel(), 1), (count,), generator=g, device=flat.device).unique()
-    saved = flat[places].clone()
-    planted = torch.tensor(specials, dtype=flat.dtype, device=flat.device)
-    flat[places] = planted[torch.arange(places.numel(), device=flat.device) % len(specials)]
+    numel = flat.numel()
+    count = min(max(len(specials), numel // 97), 64, numel)
+    if not count:
+        return lambda: None
+    stride = max(1, int(numel * 0.6180339887)) | 1
+    while math.gcd(stride, numel) != 1:
+        stride += 2
+    start = int(torch.randint(0, numel, (1,), generator=g, device=flat.device))
+    places = torch.tensor([(start + i * stride) % numel for i in range(count)], device=flat.device)
+    saved = flat[places]  # (an index copies)
+    flat[places] = torch.tensor([specials[i % len(specials)] for i in range(count)], dtype=flat.dtype,
+                                device=flat.device)
     return lambda: flat.index_put_((places,), saved)
 
 
