@@ -183,8 +183,10 @@ def _fkey(factor) -> tuple:
 
 
 # -- which ops move or keep lanes (a cheap, shape-only look at a node) -----------------------------------
-def _is_pairs_view(src_shape, out_shape) -> bool:
-    """out splits src's last dim in (L/2, 2) or (2, L/2), or merges such two last dims into one."""
+def _is_pairs_view(src_shape, out_shape, sizes=None) -> bool:
+    """out splits src's last dim in (L/2, 2) or (2, L/2), or merges such two last dims into one.
+    ``sizes``: the view's size argument, whose literal 2 is the pair where out's shape has a symbolic
+    expression for it (``unflatten(-1, (-1, 2))`` of a symbolic head dim s: ``s // (s // 2)``)."""
     if len(out_shape) == len(src_shape) + 1:
         big, small = src_shape, out_shape
     elif len(src_shape) == len(out_shape) + 1:
@@ -192,7 +194,13 @@ def _is_pairs_view(src_shape, out_shape) -> bool:
     else:
         return False
     a, b = small[-2], small[-1]  # (a symbolic head dim too: its interpretation then says it is symbolic)
-    return 2 in (static_int(a), static_int(b)) and size_eq(a * b, big[-1]) and shape_eq(small[:-2], big[:-1])
+    named = sizes[-2:] if small is out_shape and isinstance(sizes, (list, tuple)) and len(sizes) == len(small) \
+        else (a, b)
+    if 2 not in (*map(static_int, (a, b)), *map(static_int, named)) or not shape_eq(small[:-2], big[:-1]):
+        return False
+    # a view keeps the element count, so with the leading dims equal the last ones are one: shown for
+    # static sizes; of a symbolic head dim s, (s // 2, 2) is not provably s, but the traced view says so
+    return size_eq(a * b, big[-1]) or not all(type(d) is int for d in (a, b, big[-1]))
 
 
 def _lane_dim(dim, ndim: int, lane_dims: int = 1) -> bool:
@@ -279,7 +287,7 @@ _LANE_RULES_BY_TARGET = {
     **{t: _rule_cat for t in (aten.cat.default, aten.stack.default)},
     **{t: (lambda node: True if _split_on_lanes(node) else None) for t in SPLITS},
     operator.getitem: _rule_getitem,
-    **{t: _shaped(lambda node, sv, nv: _is_pairs_view(sv.shape, nv.shape)) for t in VIEWS},
+    **{t: _shaped(lambda node, sv, nv: _is_pairs_view(sv.shape, nv.shape, call_arg(node, 1, "size"))) for t in VIEWS},
     aten.slice.Tensor: _shaped(lambda node, sv, nv: _lane_dim(slice_args(node)[0], sv.dim())),
     aten.select.int: _shaped(lambda node, sv, nv: _lane_dim(node.args[1], sv.dim(), 2)),
     **{t: _rule_permute for t in PERMUTES},
@@ -2061,7 +2069,11 @@ class Analysis:
         covered = set().union(*(r.region for r in successes)) if successes else set()
         refusals = [f for f in self.results.values() if isinstance(f, Refusal)
                     and f.anchor not in covered and not (f.region & anchors)]
-        return [f for f in refusals if not any(f.anchor in g.region for g in refusals if g is not f)]
+
+        def encloses(g: Refusal, f: Refusal) -> bool:  # (of two holding each other's anchor: the later one)
+            return f.anchor in g.region and (g.anchor not in f.region or self.position[g.anchor] > self.position[f.anchor])
+
+        return [f for f in refusals if not any(encloses(g, f) for g in refusals if g is not f)]
 
     # what each pass takes
     def decisions(self, role: str) -> list:

@@ -558,3 +558,29 @@ def test_pairs_of_a_symbolic_head_dim_are_a_near_miss_not_a_silent_site():
     reasons = near_miss_reasons(reports)
     assert len(reasons) == 1 and "is symbolic" in reasons[0], reasons
     assert_close(out, fn(q, c, s))
+
+
+def test_unflattened_pairs_of_a_symbolic_head_dim_are_near_misses_in_training():
+    """``unflatten(-1, (-1, 2))`` of a symbolic head dim: the traced view's shape spells the pair as
+    ``s // (s // 2)``, and the two halves' refusals each hold the other's anchor; the forward and the
+    backward each report one near-miss naming the symbolic head dim (both were silent)."""
+    def fn(q, c, s):
+        p = q.unflatten(-1, (-1, 2))
+        a, b = p[..., 0], p[..., 1]
+        c, s = c[..., ::2], s[..., ::2]
+        return torch.stack((a * c - b * s, b * c + a * s), -1).flatten(-2)
+
+    nf.clear_reports()
+    torch._dynamo.reset()
+    with nf.config.patch(fallback="aot_eager"):
+        compiled = torch.compile(fn, backend="npu_fuse", dynamic=True)
+        for seq in (6, 10):
+            q, (c, s) = torch.randn(2, 4, seq, 16, requires_grad=True), _tables((1, 1, seq))
+            out = compiled(q, c, s)
+            out.pow(2).sum().backward()
+            assert_close(out, fn(q, c, s))
+    reports = nf.get_reports()
+    assert fused_ops(reports) == [], [r.summary() for r in reports]
+    for kind in ("forward", "backward"):
+        reasons = [n.reason for r in reports if r.kind == kind for n in r.near_misses]
+        assert len(reasons) == 1 and "is symbolic" in reasons[0], (kind, reasons)
