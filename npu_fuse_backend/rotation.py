@@ -296,9 +296,11 @@ _LANE_RULES_BY_TARGET = {
     aten.expand.default: _shaped(_expands_lanes),
     **{t: _shaped(lambda node, sv, nv: True) for t in (aten.view_as_complex.default, aten.view_as_real.default,
                                                          aten._conj.default)},
-    **{t: _shaped(lambda node, sv, nv: all(_lane_dim(d, sv.dim()) for d in node.args[1]))
+    **{t: _shaped(lambda node, sv, nv: all(_flips_lanes(d, sv) for d in node.args[1]))
        for t in (aten.flip.default, torch.ops.prims.rev.default)},  # (rev: inductor's flip)
     **{t: (lambda node: _rule_index(node)) for t in (aten.index.Tensor, aten.index_put.default)},
+    **{t: _shaped(lambda node, sv, nv: _lane_dim(node.args[1], sv.dim()) and val(node.args[2]).dim() == 1)
+       for t in (aten.index_select.default, aten.index_add.default)},  # (index_add: index_select's adjoint)
     aten.roll.default: _shaped(lambda node, sv, nv: _rolls(node) is not None and
                                all(_lane_dim(d, sv.dim()) for d, _ in _rolls(node))),
     aten.slice_backward.default: _shaped(lambda node, sv, nv: _lane_dim(node.args[2], nv.dim())),
@@ -307,6 +309,12 @@ _LANE_RULES_BY_TARGET = {
     aten.slice_scatter.default: _shaped(lambda node, sv, nv: _lane_dim(slice_scatter_args(node)[0], sv.dim())),
 }
 _LANE_RULES = {id(t): rule for t, rule in _LANE_RULES_BY_TARGET.items()}
+
+
+def _flips_lanes(dim, sv) -> bool:
+    """flip of the last dim, or of the one before it in a layout of pairs (``view(..., 2, D/2).flip(-2)``
+    swaps the halves)."""
+    return _lane_dim(dim, sv.dim()) or (_lane_dim(dim, sv.dim(), 2) and 2 in map(static_int, sv.shape[-2:]))
 
 
 def _rule_index(node: Node) -> Optional[bool]:
@@ -851,8 +859,10 @@ def _roll(self: _Interpretation, node: Node) -> Any:
 
 
 def _constant_index(self: _Interpretation, node: Node, verb: str, n: int) -> list:
-    """The lanes (0 <= i < n) an ``index``/``index_put`` of the last dim takes by its constant index."""
-    index = self.analysis.constant(node.args[1][-1])
+    """The lanes (0 <= i < n) an ``index``/``index_put`` (or ``index_select``/``index_add``) of the last
+    dim takes by its constant index."""
+    by_dim = node.target in (aten.index_select.default, aten.index_add.default)
+    index = self.analysis.constant(node.args[2] if by_dim else node.args[1][-1])
     if index is None:
         raise _Opaque(f"{node.name} {verb} lanes by an index that is not a constant")
     with unset_fake_temporarily():
@@ -863,7 +873,8 @@ def _constant_index(self: _Interpretation, node: Node, verb: str, n: int) -> lis
 
 
 def _index(self: _Interpretation, node: Node) -> Any:
-    """``x[..., idx]`` with idx a constant: lane t of the result is lane idx[t] of x."""
+    """``x[..., idx]`` (or ``index_select(x, -1, idx)``) with idx a constant: lane t of the result is lane
+    idx[t] of x."""
     src = _lanes_of(self, node.args[0])
     if src.cplx:
         raise _Opaque(f"{node.name} gathers lanes of a complex value")
@@ -878,9 +889,13 @@ def _index(self: _Interpretation, node: Node) -> Any:
 
 def _index_put(self: _Interpretation, node: Node) -> Any:
     """``index_put(base, [..., idx], v, accumulate)`` with idx a constant: lane idx[t] of the result is
-    v's lane t, added to base's where ``accumulate`` (autograd's adjoint of a gather)."""
-    base, v = _lanes_of(self, node.args[0]), _lanes_of(self, node.args[2])
-    accumulate = call_arg(node, 3, "accumulate", False)
+    v's lane t, added to base's where ``accumulate`` (autograd's adjoint of a gather); ``index_add(base,
+    -1, idx, v)`` accumulates so (the adjoint of ``index_select``)."""
+    added = node.target is aten.index_add.default
+    if added and node.kwargs.get("alpha", 1) != 1:
+        raise _Opaque(f"{node.name} scales what it adds")
+    base, v = _lanes_of(self, node.args[0]), _lanes_of(self, node.args[3 if added else 2])
+    accumulate = added or call_arg(node, 3, "accumulate", False)
     if base.cplx or v.cplx or base.k != v.k or base.perm or v.perm:
         raise _Opaque(f"{node.name} writes lanes of another layout")
     store, written = base.lane_shape, v.lane_shape
@@ -1120,7 +1135,8 @@ _TRANSFERS = {
     aten.slice_backward.default: _slice_backward, aten.slice_scatter.default: _slice_scatter,
     aten.select_backward.default: _select_backward, aten.select_scatter.default: _select_scatter,
     aten.squeeze.dims: _squeeze, aten.flip.default: _flip, torch.ops.prims.rev.default: _flip,
-    aten.roll.default: _roll, aten.index.Tensor: _index, aten.index_put.default: _index_put,
+    aten.roll.default: _roll, aten.index.Tensor: _index, aten.index_select.default: _index,
+    aten.index_put.default: _index_put, aten.index_add.default: _index_put,
     aten.view_as_complex.default: _view_as_complex, aten.view_as_real.default: _view_as_real,
     aten._conj.default: _conj,
     **{t: _zeros_like for t in (aten.zeros_like.default, aten.full_like.default, aten.new_zeros.default)},
@@ -1449,7 +1465,8 @@ def classify(interp: _Interpretation, anchor: Node, value: Any, kind: str) -> Un
         return None
     for p in (p for p in polys if len(p) == 2):  # x's lanes gathered by an index this graph does not know
         for atom in (f[0] for t in p for f in t[3]):  # (one the forward saved)
-            if atom in interp.why and is_call(atom, aten.index.Tensor, aten.index_put.default):
+            if atom in interp.why and is_call(atom, aten.index.Tensor, aten.index_put.default,
+                                              aten.index_select.default, aten.index_add.default):
                 return Refusal(anchor, f"{interp.why[atom]}, so the lanes it moves cannot be followed", "rotary_mul",
                                value.region)
     if len({t[1] for p in polys for t in p if t[1] != NO_X}) != n:

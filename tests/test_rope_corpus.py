@@ -416,6 +416,10 @@ LOOK_ALIKES = {  # name: (fn(q, cos, sin), a phrase of the reason)
     "roll by one lane": (lambda q, c, s: q * c + torch.roll(q, 1, -1) * (s * _sign_vector()), "not an involution"),
     "a constant that is not a sign vector": (
         lambda q, c, s: q * c + torch.roll(q, 8, -1) * (s * (2 * _sign_vector())), "a reflection, not a rotation"),
+    "index_select by a cyclic shift of one lane": (
+        lambda q, c, s: q * c + torch.index_select(q, -1, (torch.arange(16) + 1) % 16) * (s * _sign_vector()),
+        "not an involution"),
+    "the whole head flipped": (lambda q, c, s: q * c + q.flip(-1) * (s * _sign_vector()), "no GE RoPE mode pairs"),
     "a lane left zero": (
         lambda q, c, s: q * c + torch.cat((-_halves(q)[1], torch.zeros_like(_halves(q)[0])), -1) * s,
         "the result"),
@@ -458,6 +462,11 @@ SIGN_FORMS = {  # name: (fn(q, cos, sin) with half-layout tables, its op and mod
     "pairs reversed by prims.rev (inductor's flip)": (
         lambda q, c, s: q * c + (torch.ops.prims.rev(q.unflatten(-1, (-1, 2)), [4]) *
                                  torch.tensor([-1.0, 1.0])).flatten(-2) * s, "mode=interleave"),
+    "halves swapped by a flip of the (2, D/2) view": (
+        lambda q, c, s: q * c + q.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * _sign_vector() * s, "mode=half"),
+    "index_select by a constant index": (
+        lambda q, c, s: q * c + torch.index_select(q, -1, torch.cat([torch.arange(8, 16), torch.arange(8)])) *
+        _sign_vector() * s, "mode=half"),
 }
 @pytest.mark.parametrize("name", SIGN_FORMS)
 def test_signs_in_constants_and_constant_lane_moves_fuse(name):
@@ -484,6 +493,7 @@ def test_an_index_read_at_run_time_is_not_a_constant_lane_move():
 
 @pytest.mark.parametrize("name, phrase", [
     ("a constant index, the sign a factor", "an index that is not a constant"),
+    ("index_select by a constant index", "an index that is not a constant"),  # (index_add in the backward)
     ("roll, the sign in the sin table", "its values are not known in the backward graph")])
 def test_aot_eager_training_fuses_the_forward_and_its_backward_says_why_not(name, phrase):
     """aot_eager's partitioner saves the constant (the index, the signed sin) for the backward, where it
