@@ -14,7 +14,7 @@ each would otherwise be a special case in every matcher that reads through it:
 
 The graph is functionalized (values are never mutated in place), so these edits keep
 its meaning. A node that is a graph output is never removed: AOTAutograd has already
-decided which outputs alias inputs.
+decided which outputs alias inputs (a duplicate view that is one stays for the output alone).
 """
 
 import operator
@@ -89,9 +89,8 @@ def canonicalize(graph: Graph) -> int:
             node.target = tensor_overload
             changed += 1
             continue
-        if node in outputs:
-            continue
-        if _is_noop(node):
+        output = node in outputs
+        if not output and _is_noop(node):
             node.replace_all_uses_with(node.args[0])
         elif id(node.target) in _DEDUPLICATED:
             key = (id(node.target), node.args, node.kwargs)  # (FX's immutable args hash; OpOverloads hash slowly)
@@ -100,6 +99,11 @@ def canonicalize(graph: Graph) -> int:
             except TypeError:  # an unhashable constant argument: leave the node alone
                 continue
             if first is node:
+                continue
+            if output:  # (saved for the backward: the graph returns it, every other user reads the first)
+                if any(u.op != "output" for u in node.users):
+                    node.replace_all_uses_with(first, delete_user_cb=lambda user: user.op != "output")
+                    changed += 1
                 continue
             node.replace_all_uses_with(first)
         else:

@@ -1149,7 +1149,9 @@ MIXING = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor)  # the ops whose la
 @dataclasses.dataclass(frozen=True)
 class Segment:
     """Lanes [t, t + length) of a table: ``sign * atom[..., first + (t' - t) // rep]`` over the atom's last k
-    dims (its real or imaginary part for ``comp`` 0 / 1); rep 0: lane ``first`` for every t'."""
+    dims (its real or imaginary part for ``comp`` 0 / 1); rep 0: lane ``first`` for every t'. With ``zipped``
+    (rep 2, an even length): the odd lanes read ``zipped[..., zipped_first + (t' - t) // 2]`` instead, an atom
+    of the same shape (a backward reading two saved copies of one table: ChatGLM's cos per pair)."""
 
     sign: int
     atom: Node
@@ -1158,6 +1160,8 @@ class Segment:
     first: int
     rep: int
     length: int
+    zipped: Optional[Node] = None
+    zipped_first: int = 0
 
     @property
     def count(self) -> int:
@@ -1175,6 +1179,8 @@ class Segment:
         n += self.k != 1
         n += not (self.first == 0 and self.count == width)
         n += {1: 0, 2: 2 + (self.length % 2), 0: 1}[self.rep]
+        if self.zipped is not None:  # (the other atom's lanes taken alike)
+            n += n - 2
         return n + (self.sign < 0)
 
 
@@ -1193,9 +1199,32 @@ def _segments(entries: list) -> list:
                 length += 1
             if length > best[0]:
                 best = (length, rep)
-        segments.append(Segment(sign, atom, comp, k, first, best[1], best[0]))
-        t += best[0]
+        zipped = _zipped_run(entries, t)
+        if zipped is not None and zipped[0] > best[0]:
+            length, other, other_first = zipped
+            segments.append(Segment(sign, atom, comp, k, first, 2, length, other, other_first))
+        else:
+            segments.append(Segment(sign, atom, comp, k, first, best[1], best[0]))
+        t += segments[-1].length
     return segments
+
+
+def _zipped_run(entries: list, t: int) -> Optional[tuple]:
+    """(length, the other atom, its first lane) of the run from t whose lanes alternate between two atoms
+    of one shape, each read lane by lane (an even length of at least 4), or None."""
+    if t + 1 >= len(entries):
+        return None
+    sign, atom, comp, k, first = entries[t]
+    s2, other, c2, k2, other_first = entries[t + 1]
+    if other is atom or (s2, c2, k2) != (sign, comp, k) or not shape_eq(val(other).shape, val(atom).shape) or \
+            val(other).dtype != val(atom).dtype:
+        return None
+    length = 0
+    while t + length + 1 < len(entries) and \
+            entries[t + length] == (sign, atom, comp, k, first + length // 2) and \
+            entries[t + length + 1] == (sign, other, comp, k, other_first + length // 2):
+        length += 2
+    return (length, other, other_first) if length >= 4 else None
 
 
 @dataclasses.dataclass
@@ -1212,13 +1241,13 @@ class Table:
 
     @property
     def atoms(self) -> list:
-        return list(dict.fromkeys(s.atom for f in self.factors for s in f))
+        return list(dict.fromkeys(a for f in self.factors for s in f for a in (s.atom, s.zipped) if a is not None))
 
     def leaf(self) -> Optional[Node]:
         """The atom itself, when the table is exactly one atom (as MLA's stage checks need)."""
         if len(self.factors) == 1 and len(self.factors[0]) == 1:
             s = self.factors[0][0]
-            if s.sign == 1 and s.comp < 0 and s.k == 1 and s.rep == 1 and s.first == 0 and \
+            if s.sign == 1 and s.comp < 0 and s.k == 1 and s.rep == 1 and s.zipped is None and s.first == 0 and \
                     static_int(val(s.atom).shape[-1]) == s.length:
                 return s.atom
         return None
@@ -1276,6 +1305,12 @@ def _expand_lead(b, node: Node, lead: tuple) -> Node:
 
 
 def _build_segment(b, s: Segment) -> Node:
+    if s.zipped is not None:  # (the two atoms' lanes, each a segment of its own, interleaved)
+        half = s.length // 2
+        lanes = [_build_segment(b, dataclasses.replace(s, atom=atom, first=first, rep=1, length=half, zipped=None))
+                 for atom, first in ((s.atom, s.first), (s.zipped, s.zipped_first))]
+        stacked = b.call(aten.stack.default, lanes, -1)
+        return b.call(aten.reshape.default, stacked, [*_sizes(b, stacked, val(stacked).dim() - 2), s.length])
     node = s.atom
     if s.comp >= 0:
         if val(node).is_conj():  # a conjugate view (the backward's conj(freqs)) has no real view until resolved
@@ -1973,8 +2008,8 @@ class Analysis:
 
     def _instantiate(self, template: dict, order: list) -> Rotation:
         nodes = dict(enumerate(order))
-        tables = tuple(Table([[dataclasses.replace(seg, atom=nodes[seg.atom]) for seg in f] for f in t.factors],
-                             t.width) for t in template["tables"])
+        tables = tuple(Table([[dataclasses.replace(seg, atom=nodes[seg.atom], zipped=nodes.get(seg.zipped)) for seg in f]
+                              for f in t.factors], t.width) for t in template["tables"])
         r = Rotation(**{**template["fields"], "anchor": order[0], "x": nodes[template["x"]], "tables": tables,
                         "region": frozenset(nodes[i] for i in template["region"]),
                         "chain": tuple(nodes[i] for i in template["chain"]), "nodes": []})
@@ -2198,11 +2233,11 @@ def _template(result: Union[Rotation, Refusal, None], order: list) -> Any:
     if isinstance(result, Refusal):
         return "again"
     index = {n: i for i, n in enumerate(order)}
-    atoms = [seg.atom for t in result.tables for f in t.factors for seg in f]
+    atoms = [a for t in result.tables for f in t.factors for seg in f for a in (seg.atom, seg.zipped) if a is not None]
     if not all(n in index for n in (result.x, *atoms, *result.region, *result.chain)):
         return "again"
-    tables = tuple(Table([[dataclasses.replace(seg, atom=index[seg.atom]) for seg in f] for f in t.factors], t.width)
-                   for t in result.tables)
+    tables = tuple(Table([[dataclasses.replace(seg, atom=index[seg.atom], zipped=index.get(seg.zipped)) for seg in f]
+                          for f in t.factors], t.width) for t in result.tables)
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(Rotation)
               if f.name not in ("anchor", "x", "tables", "region", "chain", "nodes")}
     return {"fields": fields, "x": index[result.x], "tables": tables,

@@ -65,6 +65,25 @@ def test_a_graph_output_is_never_canonicalized_away():
     assert kept.graph is gm.graph and output.args[0][0] is kept
 
 
+def test_a_duplicate_view_that_is_a_graph_output_stays_for_the_output_alone():
+    """A training forward saves both copies of a view written twice (ChatGLM's cache[..., 0], once per term):
+    the output keeps its own node, every other user reads the first copy."""
+    def fn(x):
+        first, second = x[..., 0], x[..., 0]
+        return first * 2 + second.exp(), first, second
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(3, 8, 2))
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    first, second = output.args[0][1:]
+    assert canonicalize(gm.graph) == 1
+    gm.recompile()
+    assert output.args[0][1:] == (first, second) and list(second.users) == [output]
+    assert targets(gm).count(aten.select.int) == 2
+    x = torch.randn(3, 8, 2)
+    for got, expected in zip(gm(x), fn(x)):
+        torch.testing.assert_close(got, expected)
+
+
 def test_scalar_overloads_become_the_tensor_overloads_every_matcher_reads():
     def fn(x):
         return aten.div.Scalar(aten.mul.Scalar(x, 0.125), 3)

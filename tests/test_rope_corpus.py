@@ -231,6 +231,28 @@ def _half_tables(shape, d=16):
     return freqs.cos(), freqs.sin()
 
 
+def chatglm_rope_cache_pairs(q, k, rope_cache):
+    """ChatGLM2/3 (THUDM's modeling_chatglm.py), sq-major [sq, b, np, hn]: a cache of (cos, sin) pairs per
+    frequency, the first half of each head rotated pair by pair, the rest passed through. Its training
+    forward saves the cos (and the sin) twice, once per term; the backward reads the two copies."""
+    def apply(x, cache):
+        sq, np = x.size(0), x.size(2)
+        rot_dim = cache.shape[-2] * 2
+        x, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+        xshaped = x.reshape(sq, -1, np, rot_dim // 2, 2)
+        cache = cache[:sq].view(sq, -1, 1, xshaped.size(3), 2)
+        x_out2 = torch.stack([xshaped[..., 0] * cache[..., 0] - xshaped[..., 1] * cache[..., 1],
+                              xshaped[..., 1] * cache[..., 0] + xshaped[..., 0] * cache[..., 1]], -1)
+        return torch.cat((x_out2.flatten(3), x_pass), dim=-1)
+    return apply(q, rope_cache), apply(k, rope_cache)
+
+
+def _chatglm_cache(seq=8, rot_dim=16):
+    theta = 1.0 / (10000 ** (torch.arange(0, rot_dim, 2, dtype=torch.float) / rot_dim))
+    t = torch.outer(torch.arange(seq, dtype=torch.float), theta)
+    return torch.stack([t.cos(), t.sin()], dim=-1)
+
+
 def _cos_sin_cache(positions=32, rotary_dim=16):
     freqs = torch.outer(torch.arange(positions).float(), inv_freq(rotary_dim))
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
@@ -275,6 +297,9 @@ FORMS = {  # name: (fn, make args, indices of the inputs that get gradients, for
         {"rotary_mul": 1}, {"rotary_mul_backward": 1}),
     "LMDeploy rotate_half written in place": (lmdeploy_rotate_half_written_in_place,
                                               lambda: (*_qk(), *_tables((1, 1, 6))), (0, 1), *ROPE2),
+    "ChatGLM2/3 cache of (cos, sin) pairs, partial": (
+        chatglm_rope_cache_pairs, lambda: (torch.randn(6, 2, 4, 32), torch.randn(6, 2, 2, 32), _chatglm_cache()),
+        (0, 1), {"inplace_partial_rotary_mul": 2}, {"rotary_mul_backward": 2}),
     "DeepSeek-V2 split q_pe, complex": (
         deepseek_v2_split_complex,
         lambda: (torch.randn(2, 4, 6, 24, dtype=torch.bfloat16), torch.randn(2, 1, 6, 16, dtype=torch.bfloat16),
