@@ -22,7 +22,7 @@ import operator
 import torch
 from torch.fx import Graph, Node
 
-from .graph_utils import INT_MAX, aten, calls_of, is_call, norm_dim, shape_eq, size_eq, slice_args, static_int
+from .graph_utils import INT_MAX, aten, calls_of, norm_dim, shape_eq, size_eq, slice_args, static_int
 
 RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
             aten.alias.default)
@@ -37,6 +37,7 @@ DEDUPLICATED = (aten.slice.Tensor, aten.select.int, aten.view.default, aten._uns
 PERMUTES = (aten.permute.default, aten.transpose.int, aten.t.default)
 _MAYBE_NOOP = {id(t) for t in (aten.slice.Tensor, *RESHAPES, *CASTS, *PERMUTES)}  # by id: OpOverloads hash slowly
 _DEDUPLICATED = {id(t) for t in DEDUPLICATED}
+_SLICE, _VIEW_OR_PERMUTE, _CAST = id(aten.slice.Tensor), {id(t) for t in (*RESHAPES, *PERMUTES)}, {id(t) for t in CASTS}
 _SCALAR_OVERLOADS = ((aten.mul.Scalar, aten.mul.Tensor), (aten.div.Scalar, aten.div.Tensor))
 _TENSOR_OVERLOAD = {id(scalar): tensor for scalar, tensor in _SCALAR_OVERLOADS}
 _EDITED = tuple(dict.fromkeys((aten.slice.Tensor, *RESHAPES, *CASTS, *PERMUTES, *DEDUPLICATED,
@@ -44,35 +45,32 @@ _EDITED = tuple(dict.fromkeys((aten.slice.Tensor, *RESHAPES, *CASTS, *PERMUTES, 
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dim() != b.dim() or a.dtype != b.dtype:
-        return False
     if not (a._has_symbolic_sizes_strides or b._has_symbolic_sizes_strides):  # ints: compared as tuples
-        same = a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
+        same = a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride() and \
+            a.storage_offset() == b.storage_offset()  # (most candidates: a view or slice that changes the shape)
     else:
-        same = (shape_eq(a.shape, b.shape) and shape_eq(a.stride(), b.stride())
-                and size_eq(a.storage_offset(), b.storage_offset()))
+        same = (a.dim() == b.dim() and a.dtype == b.dtype and shape_eq(a.shape, b.shape)
+                and shape_eq(a.stride(), b.stride()) and size_eq(a.storage_offset(), b.storage_offset()))
     return same and a.device == b.device
 
 
 def _is_noop(node: Node) -> bool:
     """node returns a value equal to, and laid out like, its first argument."""
-    if id(node.target) not in _MAYBE_NOOP or not node.args or not isinstance(node.args[0], Node):
+    target = id(node.target)
+    args = node.args  # (a property: read once)
+    if target not in _MAYBE_NOOP or not args or not isinstance(args[0], Node):
         return False
-    out, src = node.meta.get("val"), node.args[0].meta.get("val")
-    if not (isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor)):
+    out, src = node.meta.get("val"), args[0].meta.get("val")
+    if not (isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor) and _same_layout(out, src)):
         return False
-    if not (out._has_symbolic_sizes_strides or src._has_symbolic_sizes_strides) and out.shape != src.shape:
-        return False  # (most candidates: a view or slice that changes the shape)
-    if not _same_layout(out, src):
-        return False
-    if is_call(node, aten.slice.Tensor):
+    if target == _SLICE:
         dim, start, end, step = slice_args(node)
         end_i = static_int(end)
         return (static_int(start) == 0 and static_int(step) == 1
                 and (end_i == INT_MAX or (end_i is not None and size_eq(src.shape[norm_dim(dim, src.dim())], end_i))))
-    if is_call(node, *RESHAPES, *PERMUTES):  # (a permutation of the same layout: identity, or of size-1 dims)
+    if target in _VIEW_OR_PERMUTE:  # (a permutation of the same layout: identity, or of size-1 dims)
         return True
-    if is_call(node, *CASTS):  # same dtype, device and strides: checked above; nothing else may change
+    if target in _CAST:  # same dtype, device and strides: checked above; nothing else may change
         return set(node.kwargs) <= {"dtype", "layout", "device", "pin_memory", "memory_format"}
     return False
 
@@ -83,31 +81,36 @@ def canonicalize(graph: Graph) -> int:
     outputs = {n for out in graph.find_nodes(op="output") for n in out.all_input_nodes}
     seen: dict = {}
     changed = 0
-    for node in calls_of(graph, _EDITED):  # (the calls of the ops this edits, in graph order: not every node)
-        tensor_overload = _TENSOR_OVERLOAD.get(id(node.target))
-        if tensor_overload is not None:
-            node.target = tensor_overload
+    # Each read of a fake tensor's attribute first looks for a __torch_function__ override, which FakeTensor
+    # has none of: with subclasses' torch functions off it skips that look-up, and nothing else (2x faster)
+    with torch._C.DisableTorchFunctionSubclass():
+        for node in calls_of(graph, _EDITED):  # (the calls of the ops this edits, in graph order: not every node)
+            target = id(node.target)
+            tensor_overload = _TENSOR_OVERLOAD.get(target)
+            if tensor_overload is not None:
+                node.target = tensor_overload
+                changed += 1
+                continue
+            output = node in outputs
+            if not output and _is_noop(node):
+                node.replace_all_uses_with(node.args[0])
+            elif target in _DEDUPLICATED:
+                # (FX's immutable args hash; OpOverloads and an empty kwargs dict hash slowly)
+                key = (target, node.args, node.kwargs or None)
+                try:
+                    first = seen.setdefault(key, node)
+                except TypeError:  # an unhashable constant argument: leave the node alone
+                    continue
+                if first is node:
+                    continue
+                if output:  # (saved for the backward: the graph returns it, every other user reads the first)
+                    if any(u.op != "output" for u in node.users):
+                        node.replace_all_uses_with(first, delete_user_cb=lambda user: user.op != "output")
+                        changed += 1
+                    continue
+                node.replace_all_uses_with(first)
+            else:
+                continue
+            graph.erase_node(node)
             changed += 1
-            continue
-        output = node in outputs
-        if not output and _is_noop(node):
-            node.replace_all_uses_with(node.args[0])
-        elif id(node.target) in _DEDUPLICATED:
-            key = (id(node.target), node.args, node.kwargs)  # (FX's immutable args hash; OpOverloads hash slowly)
-            try:
-                first = seen.setdefault(key, node)
-            except TypeError:  # an unhashable constant argument: leave the node alone
-                continue
-            if first is node:
-                continue
-            if output:  # (saved for the backward: the graph returns it, every other user reads the first)
-                if any(u.op != "output" for u in node.users):
-                    node.replace_all_uses_with(first, delete_user_cb=lambda user: user.op != "output")
-                    changed += 1
-                continue
-            node.replace_all_uses_with(first)
-        else:
-            continue
-        graph.erase_node(node)
-        changed += 1
     return changed
