@@ -129,6 +129,7 @@ BRIDGE_HOPS = 6  # how far back a shared input is traced to the values it is com
 PERIODIC_FROM = 1 << 18  # inputs with more elements are drawn periodically (see _uniform)
 SCALED_UP_TO = 1 << 20  # the magnitudes probe scales inputs of at most this many elements (a larger one is a weight)
 PERIOD = 65521  # the largest prime below 2^16
+PHASE = 7919  # inputs drawn from one periodic sequence start position * PHASE (mod PERIOD) into it
 GREEDY_TRIES = 12  # sizes tried one at a time (the largest savings) when shrinking all of them at once fails
 
 # Tolerance per output element, in units of the output dtype's eps: |a - b| <= rtol*|b| + atol*scale(b),
@@ -450,6 +451,7 @@ class _Validation:
 
     # -- the plan ------------------------------------------------------------------------------
     def run(self) -> Optional[str]:
+        self.periodic: dict = {}  # (dtype, device) -> the sequence large inputs are windows of (_Draws._sequence)
         plan = _Plan(self)
         for problem in plan.problems():
             difference = self._compare(problem)
@@ -461,7 +463,14 @@ class _Validation:
         # uniform draws of inputs whose shape the previous problem had too (weights an op fixes) are reused
         self.bases = {leaf: (shape, t) for leaf, (shape, t) in getattr(self, "bases", {}).items()
                       if tuple(problem.shapes.get(leaf, ())) == shape}
-        for probe, values in _Draws(self, problem).samples():
+        draws = _Draws(self, problem)
+        try:
+            return self._compare_probes(problem, draws)
+        finally:
+            draws.restore()
+
+    def _compare_probes(self, problem: "_Problem", draws: "_Draws") -> Optional[str]:
+        for probe, values in draws.samples():
             self.evaluations += 1
             original = self._side(self.original, values, problem)
             replacement = self._side(self.inserted, values, problem,
@@ -1316,17 +1325,15 @@ class _Draws:
     def __init__(self, validation: _Validation, problem: _Problem):
         self.v = validation
         self.problem = problem
+        self._undo: list = []  # how to turn the inputs back into the uniform draw after a probe
 
     def bound(self, use: _IndexUse) -> int:
         return self.problem.shapes[use.indexed][use.dim]
 
     def samples(self):
         self._base: dict = self.v.bases  # the problem's uniform float values, which the other probes derive from
-        self._undo: list = []  # how to turn them back into the uniform draw after a probe
         for probe in self.problem.probes:
-            for undo in reversed(self._undo):
-                undo()
-            self._undo.clear()
+            self.restore()
             if probe == "out-of-range index":
                 values = self._draw_all("uniform")
                 for leaf, uses in self.v.index_uses.items():
@@ -1342,6 +1349,13 @@ class _Draws:
                                 {**values, leaf: wrong}
             else:
                 yield probe, self._draw_all(probe)
+
+    def restore(self) -> None:
+        """The uniform values back in the inputs a probe changed in place (the next probe, and the next
+        problem, which reuses them, start from the uniform draw)."""
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
 
     def _draw_all(self, probe: str) -> dict:
         gen: dict = {}
@@ -1370,10 +1384,27 @@ class _Draws:
         drawn = self._values(stored, value.dtype, value.device, g, leaf, position, probe, tuple(shape))
         return _arranged(drawn, inverse, shape)
 
+    def _sequence(self, dtype: torch.dtype, device, g: torch.Generator, numel: int) -> torch.Tensor:
+        """The rewrite's periodic sequence of dtype's values that large inputs (``numel`` real values
+        here) are windows of (see :func:`_uniform`), long enough for the largest of the problem's."""
+        real = _real_dtype(dtype)
+        sequence = self.v.periodic.get((real, device))
+        if sequence is None or sequence.numel() < numel + PERIOD:
+            longest = numel
+            for leaf in self.v.leaves:
+                value = leaf.meta.get("val")
+                if isinstance(value, torch.Tensor) and _real_dtype(value.dtype) == real and value.device == device:
+                    numel = math.prod(self.problem.leaf_shape(leaf)) * (2 if value.dtype.is_complex else 1)
+                    longest = max(longest, numel if numel > SCALED_UP_TO else 0)
+            sequence = self.v.periodic[(real, device)] = _periodic(longest + PERIOD, real, device, g)
+        return sequence
+
     def _values(self, shape, dtype, device, g, leaf: Node, position: int, probe: str, logical=()) -> torch.Tensor:
         if dtype.is_floating_point or dtype.is_complex:
             if leaf not in self._base:
-                self._base[leaf] = (logical, _uniform(shape, dtype, device, g))
+                numel = math.prod(shape) * (2 if dtype.is_complex else 1)
+                shared = self._sequence(dtype, device, g, numel) if numel > SCALED_UP_TO else None
+                self._base[leaf] = (logical, _uniform(shape, dtype, device, g, shared, position))
             drawn = self._base[leaf][1]
             real = torch.view_as_real(drawn) if dtype.is_complex else drawn
             if probe == "magnitudes" and real.numel() <= SCALED_UP_TO:  # in place, by powers of two: undone exactly
@@ -1407,21 +1438,37 @@ class _Draws:
         return torch.randint(low, high, shape, generator=g, device=device, dtype=dtype)
 
 
-def _uniform(shape: list, dtype: torch.dtype, device, g: torch.Generator) -> torch.Tensor:
+def _uniform(shape: list, dtype: torch.dtype, device, g: torch.Generator, shared: Optional[torch.Tensor] = None,
+             position: int = 0) -> torch.Tensor:
     """Uniform in [-1, 1). A large input (a weight) repeats a random block of a prime length along
     its memory: no two of its rows, nor two elements of a row, coincide for rows shorter than the
-    period, and drawing it costs a copy rather than a random number per element."""
+    period, and drawing it costs a copy rather than a random number per element. With ``shared``
+    (such a sequence, at least PERIOD longer than the input: :meth:`_Draws._sequence`) the input is a
+    window of it starting at a phase of its own (``position``: no two inputs alike), so the memory
+    touched is the largest input's, not the sum of all (an MLA's weights). Windows overlap: they are
+    for inputs no probe scales in place (a planted value is restored before the next probe)."""
     numel = math.prod(shape)
-    real_dtype = {torch.complex64: torch.float32, torch.complex128: torch.float64}.get(dtype, dtype)
     width = 2 if dtype.is_complex else 1
     if numel * width <= PERIODIC_FROM:
         drawn = torch.empty(shape, dtype=dtype, device=device)
         (torch.view_as_real(drawn) if dtype.is_complex else drawn).uniform_(-1, 1, generator=g)
         return drawn
-    block = torch.empty(PERIOD, dtype=real_dtype, device=device).uniform_(-1, 1, generator=g)
-    flat = block.repeat(-(-numel * width // PERIOD))[:numel * width]
+    if shared is None:
+        shared, position = _periodic(numel * width, _real_dtype(dtype), device, g), 0
+    start = position * PHASE % PERIOD
+    flat = shared[start:start + numel * width]
     drawn = flat.view(*shape, 2) if dtype.is_complex else flat.view(shape)
     return torch.view_as_complex(drawn) if dtype.is_complex else drawn
+
+
+def _real_dtype(dtype: torch.dtype) -> torch.dtype:
+    return {torch.complex64: torch.float32, torch.complex128: torch.float64}.get(dtype, dtype)
+
+
+def _periodic(numel: int, dtype: torch.dtype, device, g: torch.Generator) -> torch.Tensor:
+    """numel values repeating a uniform block of PERIOD values (a copy, not a draw per element)."""
+    block = torch.empty(PERIOD, dtype=dtype, device=device).uniform_(-1, 1, generator=g)
+    return block.repeat(-(-numel // PERIOD))[:numel]
 
 
 def _scale_rows(values: torch.Tensor, dtype: torch.dtype, position: int):

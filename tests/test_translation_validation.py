@@ -325,6 +325,28 @@ def test_a_confirmation_derives_its_shapes_from_the_shrunk_problem(monkeypatch):
     assert confirmations and meta_runs and set(meta_runs) == {"shrunk"}
 
 
+def test_each_problem_starts_from_the_uniform_draw_whatever_the_last_probe_planted(monkeypatch):
+    """The batch's confirmation reuses the shrunk problem's draws of the inputs whose shape it keeps
+    (the tables, shrunk in the sequence): the infinities the shrunk problem's last probe planted there are gone by then."""
+    inputs_seen = []
+    samples = validate._Draws.samples
+
+    def recording(self):
+        for probe, values in samples(self):
+            floats = [v for v in values.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+            inputs_seen.append((self.problem.label, probe, all(bool(v.isfinite().all()) for v in floats)))
+            yield probe, values
+
+    monkeypatch.setattr(validate._Draws, "samples", recording)
+    monkeypatch.setattr(validate, "FULL_ELEMENTS", 2000)
+    out, reports = compile_fused(rope, *models.rope_args(seq=32, heads=3, batch=64))
+    assert fused_ops(reports) == ["rotary_mul"]
+    shrunk = [probe for label, probe, _ in inputs_seen if label == "shrunk"]
+    assert shrunk[-1] == "infinities"  # (no index input: the last probe plants infinities)
+    confirmations = [finite for label, probe, finite in inputs_seen if label.startswith("confirming")]
+    assert confirmations and all(confirmations)
+
+
 def test_a_derived_shape_is_checked_as_the_node_runs():
     graph = torch.fx.symbolic_trace(lambda x: x * 2).graph
     x, doubled = [n for n in graph.nodes if n.op != "output"]
