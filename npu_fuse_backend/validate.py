@@ -84,7 +84,8 @@ meta tensors, or for a confirmation those of the shrunk problem with the one siz
 new length (each node's shape is checked as it runs, a factory's before it allocates): it may hold at most ``MEMORY_BUDGET`` bytes at once (inputs, clones of what a side mutates, the
 live intermediates of one side, a fused kernel's temporaries, the float64 reference where it
 runs); outputs are compared block by block. A weight is drawn as a repeated random block of a
-prime length (cheap, and no two of its rows alike) and reused by every problem of the rewrite. A rewrite that no problem of the plan fits is refused
+prime length (cheap, and no two of its rows alike; the weights no probe scales are windows of one
+such sequence, each at a phase of its own) and reused by every problem of the rewrite. A rewrite that no problem of the plan fits is refused
 ("could not be validated within the budget: ..."), or kept with a warning and a mark in its
 report under ``config.keep_unvalidated_rewrites``. Nothing ships unchecked silently.
 
