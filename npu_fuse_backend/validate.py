@@ -50,6 +50,9 @@ recomputation of checkpointed code does) is a recorded generator state, never ra
 - ``out-of-range index``: per index input, one index just past each end (too large, too
   negative where Python indexing allows negatives): where eager raises, the replacement must.
 
+The two index probes run right after ``uniform`` and draw its very float values, so what the
+subgraph computes from floats alone (an MLA's projections) is computed once for the three.
+
 Integer inputs used as indices are valid (distinct where the input has at most as many
 entries as rows, negative ones where Python indexing allows them); other integers small.
 
@@ -419,6 +422,45 @@ class _Validation:
                     uses[leaf] = found
         return uses
 
+    @functools.cached_property
+    def stable(self) -> frozenset:
+        """The subgraph's nodes computed from float inputs (and sizes and attributes) alone. The
+        probes that follow ``uniform`` in a problem and change only integers (``repeated indices``,
+        ``out-of-range index``) draw every float input as the very tensor ``uniform`` drew, untouched
+        since, so such a node has the value it had there: those probes reuse it (an MLA's matmuls
+        are computed once, its cache write per probe). Empty where a node of the subgraph writes
+        in place (a reused value could have been written)."""
+        if any(_mutates(node) for node in self.original):
+            return frozenset()
+        integers = set(self.rng_states)
+        for leaf in self.leaves:
+            value = leaf.meta.get("val")
+            if isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex()):
+                integers.add(leaf)
+        stable = {leaf for leaf in self.leaves if leaf not in integers}
+        for node in [*self.bridge, *self.original]:
+            if all(n in stable for n in node.all_input_nodes):
+                stable.add(node)
+        return frozenset(n for n in self.original if n in stable)
+
+    def _reused(self, problem: "_Problem") -> Optional[set]:
+        """The stable nodes whose uniform values the integer-only probes of ``problem`` reuse: those an
+        integer-dependent node reads, and outputs (the rest is not needed then); None where there is
+        nothing to reuse, or it would hold more than an eighth of the memory budget."""
+        if not self.stable or not (set(problem.probes) & {"repeated indices", "out-of-range index"}):
+            return None
+        kept = self.kept
+        frontier = {n for n in self.stable if n in kept or any(u not in self.stable for u in n.users)}
+        held = 0
+        for node in frontier:
+            value = node.meta.get("val")
+            if isinstance(value, torch.Tensor):
+                shape = problem.shapes.get(node)
+                if shape is None:
+                    return None
+                held += math.prod(shape) * _itemsize(value.dtype)
+        return frontier if frontier and held <= MEMORY_BUDGET // 8 else None
+
     def signature(self) -> Optional[tuple]:
         """The rewrite, input metadata and seed as a hashable value; None where that is not the
         whole story (a constant's values, a tensor constant in an argument)."""
@@ -471,9 +513,20 @@ class _Validation:
             draws.restore()
 
     def _compare_probes(self, problem: "_Problem", draws: "_Draws") -> Optional[str]:
+        frontier = self._reused(problem)
+        uniform: Optional[dict] = None  # frontier node -> its value in the uniform probe (see stable)
         for probe, values in draws.samples():
             self.evaluations += 1
-            original = self._side(self.original, values, problem)
+            if probe == "uniform" and frontier:
+                uniform = {}
+                original = self._side(self.original, values, problem, record=(frontier, uniform))
+                if not isinstance(original, dict):
+                    uniform = None
+            elif uniform is not None and probe.startswith(("repeated indices", "out-of-range index")):
+                original = self._side(self.original, values, problem, reuse=uniform)
+            else:
+                uniform = None  # (the float inputs change from here on)
+                original = self._side(self.original, values, problem)
             replacement = self._side(self.inserted, values, problem,
                                      fallback=original if isinstance(original, dict) else None)
             reason = self._verdict(probe, problem, original, replacement)
@@ -486,10 +539,13 @@ class _Validation:
             values = original = replacement = exact = None  # (freed before the next probe is drawn)
         return None
 
-    def _side(self, nodes: list, values: dict, problem: "_Problem", fallback=None, precise: bool = False):
+    def _side(self, nodes: list, values: dict, problem: "_Problem", fallback=None, precise: bool = False,
+              record: tuple = (None, None), reuse: Optional[dict] = None):
         """The values of one side (bridge, then nodes), or Raised; what a side mutates is cloned first.
         ``precise``: every float value in the reference dtype (what a rounding error is measured against:
-        float64, or float32 for a subgraph of 16-bit floats only)."""
+        float64, or float32 for a subgraph of 16-bit floats only). ``record``: (nodes, a dict) to put
+        those nodes' values in; ``reuse``: such a record, whose nodes take their recorded values and
+        whose other stable nodes are not needed (see :attr:`stable`)."""
         env = dict(values)
         for leaf in _mutated_leaves(nodes, set(self.leaves)):
             env[leaf] = env[leaf].clone()
@@ -499,7 +555,13 @@ class _Validation:
             if precise:
                 return base
             raise Unvalidatable(f"the inputs shared by both sides could not be computed ({base})")
-        return _evaluate(nodes, env, problem, fallback, keep=self.kept, precise=reference)
+        if reuse is not None:
+            env.update(reuse)
+            nodes = [n for n in nodes if n not in self.stable]
+        result = _evaluate(nodes, env, problem, fallback, keep=self.kept | set(record[0] or ()), precise=reference)
+        if record[0] is not None and isinstance(result, dict):
+            record[1].update((n, result[n]) for n in record[0])
+        return result
 
     def _verdict(self, probe: str, problem: "_Problem", original, replacement, exact=None) -> Optional[str]:
         where = f"{probe} inputs{problem.where}"
@@ -724,10 +786,11 @@ class _Plan:
 
     def problems(self):
         v = self.v
-        probes = ("uniform", "magnitudes", "NaN", "infinities")
+        probes = ("uniform",)  # then the probes that draw its float values again (see _Validation.stable)
         if any(use.repeats for uses in v.index_uses.values() for use in uses):
             probes += ("repeated indices",)
         probes += ("out-of-range index",) if v.index_uses else ()
+        probes += ("magnitudes", "NaN", "infinities")
         real = self._problem("", {}, {}, probes, check=False)
         if not self.symbols and _elements(real, v.leaves) <= FULL_ELEMENTS:
             self._fits(real)

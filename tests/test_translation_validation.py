@@ -238,14 +238,15 @@ def test_mla_a_wrong_output_of_the_replacement_is_found_on_valid_slots(monkeypat
 
 
 # -- how inputs are drawn -------------------------------------------------------------------------
-def run_pass(fn, args, replacement, target):
-    """Fuse fn's ``target`` node into ``replacement(b, *node.args)`` with a one-off pass."""
+def run_pass(fn, args, replacement, target, inside=lambda anchor: []):
+    """Fuse fn's ``target`` node (and the nodes ``inside`` gives) into ``replacement(b, *node.args)``
+    with a one-off pass."""
     class OneOff(fusion.FusionPass):
         name = "one_off"
         anchor_targets = (target,)
 
         def match(self, ctx, anchor):
-            return fusion.Rewrite(anchor, [], "test", lambda b: replacement(b, *anchor.args))
+            return fusion.Rewrite(anchor, inside(anchor), "test", lambda b: replacement(b, *anchor.args))
 
     gm = make_fx(fn, tracing_mode="fake")(*args)
     report = fusion.PassManager([OneOff()])(gm)
@@ -265,6 +266,53 @@ def test_index_inputs_are_drawn_in_range_and_just_out_of_range():
     report, _ = run_pass(fn, args, wrapped, aten.index_put.default)
     assert report.matches == []
     assert "too large: 10 into 10 rows" in report.near_misses[0].reason
+
+
+def mm_calls_of_the_subgraph(monkeypatch, replacement, write=aten.index_put.default) -> tuple:
+    """(the report, how often the subgraph's own mm ran in the validation's evaluations) for a cache
+    write of a projection, ``cache.index_put((slots,), x @ w)`` (``write``: that op)."""
+    def fn(cache, slots, x, w):
+        return write(cache.clone() if write is aten.index_put_.default else cache, [slots], x @ w)
+
+    ran, subgraph_mm = [], []
+    call = validate._call
+    monkeypatch.setattr(validate, "_call", lambda node, args, kwargs, problem, meta: (
+        ran.append(node) if not meta else None) or call(node, args, kwargs, problem, meta))
+    args = torch.zeros(10, 4), torch.tensor([1, 2, 3]), torch.randn(3, 5), torch.randn(5, 4)
+    report, gm = run_pass(fn, args, replacement, write,
+                          inside=lambda anchor: subgraph_mm.append(anchor.args[2]) or [anchor.args[2]])
+    return report, ran.count(subgraph_mm[0])
+
+
+def rebuilt(b, cache, idx, rows, write=aten.index_put.default):
+    return b.call(write, cache, idx, b.call(aten.mm.default, *rows.args))
+
+
+def test_probes_that_change_only_integers_reuse_what_the_uniform_probe_computed_from_floats(monkeypatch):
+    """The projection runs once for uniform, repeated-indices and both out-of-range probes (its float
+    inputs are the same tensors, untouched), then once per probe that changes floats."""
+    report, runs = mm_calls_of_the_subgraph(monkeypatch, rebuilt)
+    assert len(report.matches) == 1, report.summary()
+    assert runs == 1 + 3  # uniform (reused by 3 integer-only probes), magnitudes, NaN, infinities
+
+
+def test_a_subgraph_that_writes_in_place_reuses_nothing(monkeypatch):
+    """(a reused value could be one the write changed)"""
+    in_place = aten.index_put_.default
+    report, runs = mm_calls_of_the_subgraph(monkeypatch, lambda b, *args: rebuilt(b, *args, write=in_place),
+                                            write=in_place)
+    assert len(report.matches) == 1, report.summary()
+    assert runs == 7  # every probe computes it
+
+
+def test_a_replacement_wrong_only_on_repeated_slots_is_still_refused_when_floats_are_reused(monkeypatch):
+    def first_write_wins(b, cache, idx, rows):
+        values = b.call(aten.mm.default, *rows.args)
+        flipped = b.call(aten.flip.default, idx[0], [0])
+        return b.call(aten.index_put.default, cache, [flipped], b.call(aten.flip.default, values, [0]))
+
+    report, _ = mm_calls_of_the_subgraph(monkeypatch, first_write_wins)
+    assert report.matches == [] and "repeated indices" in report.near_misses[0].reason
 
 
 def test_a_read_computed_from_another_read_is_computed_not_drawn():
