@@ -133,7 +133,8 @@ BRIDGE_HOPS = 6  # how far back a shared input is traced to the values it is com
 PERIODIC_FROM = 1 << 18  # inputs with more elements are drawn periodically (see _uniform)
 SCALED_UP_TO = 1 << 20  # the magnitudes probe scales inputs of at most this many elements (a larger one is a weight)
 PERIOD = 65521  # the largest prime below 2^16
-PHASE = 7919  # inputs drawn from one periodic sequence start position * PHASE (mod PERIOD) into it
+PHASE = 64  # inputs drawn from one periodic sequence start position * PHASE into it (mod PERIOD, aligned:
+# a matmul reads a 64-byte-aligned weight ~1.5x faster)
 GREEDY_TRIES = 12  # sizes tried one at a time (the largest savings) when shrinking all of them at once fails
 
 # Tolerance per output element, in units of the output dtype's eps: |a - b| <= rtol*|b| + atol*scale(b),
@@ -1519,7 +1520,7 @@ def _uniform(shape: list, dtype: torch.dtype, device, g: torch.Generator, shared
         return drawn
     if shared is None:
         shared, position = _periodic(numel * width, _real_dtype(dtype), device, g), 0
-    start = position * PHASE % PERIOD
+    start = position * PHASE % (PERIOD - PERIOD % PHASE)
     flat = shared[start:start + numel * width]
     drawn = flat.view(*shape, 2) if dtype.is_complex else flat.view(shape)
     return torch.view_as_complex(drawn) if dtype.is_complex else drawn
