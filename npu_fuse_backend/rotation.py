@@ -2007,12 +2007,11 @@ class Analysis:
         return found
 
     def _instantiate(self, template: dict, order: list) -> Rotation:
-        nodes = dict(enumerate(order))
-        tables = tuple(Table([[dataclasses.replace(seg, atom=nodes[seg.atom], zipped=nodes.get(seg.zipped)) for seg in f]
-                              for f in t.factors], t.width) for t in template["tables"])
-        r = Rotation(**{**template["fields"], "anchor": order[0], "x": nodes[template["x"]], "tables": tables,
-                        "region": frozenset(nodes[i] for i in template["region"]),
-                        "chain": tuple(nodes[i] for i in template["chain"]), "nodes": []})
+        node = order.__getitem__
+        r = Rotation(**{**template["fields"], "anchor": order[0], "x": order[template["x"]],
+                        "tables": _mapped_tables(template["tables"], node),
+                        "region": frozenset(map(node, template["region"])), "chain": tuple(map(node, template["chain"])),
+                        "nodes": []})
         r.nodes = self._rewrite_nodes(r)
         return r
 
@@ -2236,12 +2235,18 @@ def _template(result: Union[Rotation, Refusal, None], order: list) -> Any:
     atoms = [a for t in result.tables for f in t.factors for seg in f for a in (seg.atom, seg.zipped) if a is not None]
     if not all(n in index for n in (result.x, *atoms, *result.region, *result.chain)):
         return "again"
-    tables = tuple(Table([[dataclasses.replace(seg, atom=index[seg.atom], zipped=index.get(seg.zipped)) for seg in f]
-                          for f in t.factors], t.width) for t in result.tables)
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(Rotation)
               if f.name not in ("anchor", "x", "tables", "region", "chain", "nodes")}
-    return {"fields": fields, "x": index[result.x], "tables": tables,
+    return {"fields": fields, "x": index[result.x], "tables": _mapped_tables(result.tables, index.__getitem__),
             "region": [index[n] for n in result.region], "chain": [index[n] for n in result.chain]}
+
+
+def _mapped_tables(tables: tuple, mapped) -> tuple:
+    """tables with each segment's atoms replaced by ``mapped(atom)`` (nodes to a template's indices, and back;
+    every other field kept: ``dataclasses.replace`` is slower, and once per segment of every layer's RoPE)."""
+    return tuple(Table([[Segment(**{**vars(seg), "atom": mapped(seg.atom),
+                                    "zipped": None if seg.zipped is None else mapped(seg.zipped)}) for seg in f]
+                        for f in t.factors], t.width) for t in tables)
 
 
 def analysis(ctx: PassContext) -> Analysis:
