@@ -362,9 +362,10 @@ def _permutation(node: Node, nd: int) -> list:
 CONSTANT_DEPTH = 8  # ops between a constant table and the attributes and factories it is computed from
 
 
+@functools.lru_cache(maxsize=4096)
 def _constant_op(target: Any) -> bool:
     """An aten op whose result is a function of its arguments alone (no random draw, no uninitialized
-    memory, no mutation)."""
+    memory, no mutation). Once per op: reading its tags is slow, and every table of every layer asks."""
     return isinstance(target, torch._ops.OpOverload) and target.namespace in ("aten", "prims") and \
         torch.Tag.nondeterministic_seeded not in target.tags and not target._schema.is_mutable and \
         target._opname not in UNINITIALIZED
@@ -1143,6 +1144,7 @@ _TRANSFERS = {
 }
 _TRANSFER_IDS = {id(t): f for t, f in _TRANSFERS.items()}
 MIXING = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor)  # the ops whose lanes can have two terms
+_CUTS = (aten.slice.Tensor, aten.select.int, operator.getitem)  # (a RoPE's walk to its leaves takes one)
 
 
 # -- tables: rebuilt in the graph from the atoms the terms read ---------------------------------------------
@@ -1922,9 +1924,30 @@ class Analysis:
                 continue
             if first:
                 muls += node.target is aten.mul.Tensor
-                cuts += node.target in (aten.slice.Tensor, aten.select.int, operator.getitem)
+                cuts += node.target in _CUTS
             for a in node._input_nodes:
                 stack.append((a, m or kind))
+        return self._leaves_found(anchor, moved, muls, cuts)
+
+    def _leaves_in_cone(self, anchor: Node, cone: list) -> tuple:
+        """:meth:`_walk_to_leaves`' result from the nodes a signature collected (every node that walk
+        reaches, in a DAG: each is visited once, after its users, instead of again per lane move found)."""
+        moved, muls, cuts = {anchor: False}, 0, 0
+        position = self.position
+        for node in sorted(cone, key=lambda n: -position.get(n, 0)):  # users first
+            m = moved.get(node)
+            kind = self.lane_op(node) if m is not None else None
+            if kind is None:
+                continue
+            muls += node.target is aten.mul.Tensor
+            cuts += node.target in _CUTS
+            m = m or kind
+            for a in node._input_nodes:
+                moved[a] = moved.get(a, False) or m
+        return self._leaves_found(anchor, moved, muls, cuts)
+
+    def _leaves_found(self, anchor: Node, moved: dict, muls: int, cuts: int) -> tuple:
+        """:meth:`_leaves` of the nodes a walk reached (whether a lane move is on the way to each)."""
         leaves = [n for n, m in moved.items() if m and self.lane_op(n) is None and isinstance(val(n), torch.Tensor)
                   and val(n).dim() and val(n).is_floating_point() and
                   not is_call(n, *ZERO_FILLS, aten.full.default, aten.full_like.default)]
@@ -1967,14 +1990,16 @@ class Analysis:
             follows.append(n is anchor or lane_op(n) is not None)
             if follows[-1]:
                 stack.extend(reversed(n._input_nodes))  # (FX's dict of a node's inputs, in argument order)
-        candidates = set(self._leaves(anchor)[0])  # what may be taken as x: these leaves, or lane ops
+        if anchor not in self._leaves_of:
+            self._leaves_of[anchor] = self._leaves_in_cone(anchor, order)
+        candidates = set(self._leaves_of[anchor][0])  # what may be taken as x: these leaves, or lane ops
         entries, leaves = [], []
         for i, n in enumerate(order):
             leaf = bool(i) and not follows[i]
             if leaf:
                 leaves.append(i)
             desc, inputs = self._describe(n, leaf)
-            entries.append((desc, tuple([index[a] for a in inputs])))
+            entries.append((desc, tuple(map(index.__getitem__, inputs))))
         at = [self.position.get(n, 0) for n in order]
         ranks = tuple(sorted(leaves, key=at.__getitem__))
         xs = [j for j, n in enumerate(order) if (j and follows[j]) or n in candidates]
@@ -2007,12 +2032,11 @@ class Analysis:
         return found
 
     def _instantiate(self, template: dict, order: list) -> Rotation:
-        nodes = dict(enumerate(order))
-        tables = tuple(Table([[dataclasses.replace(seg, atom=nodes[seg.atom], zipped=nodes.get(seg.zipped)) for seg in f]
-                              for f in t.factors], t.width) for t in template["tables"])
-        r = Rotation(**{**template["fields"], "anchor": order[0], "x": nodes[template["x"]], "tables": tables,
-                        "region": frozenset(nodes[i] for i in template["region"]),
-                        "chain": tuple(nodes[i] for i in template["chain"]), "nodes": []})
+        node = order.__getitem__
+        r = Rotation(**{**template["fields"], "anchor": order[0], "x": order[template["x"]],
+                        "tables": _mapped_tables(template["tables"], node),
+                        "region": frozenset(map(node, template["region"])), "chain": tuple(map(node, template["chain"])),
+                        "nodes": []})
         r.nodes = self._rewrite_nodes(r)
         return r
 
@@ -2213,8 +2237,8 @@ def _encoded(arg, inputs: list):
         return _NODE
     if kind in _PLAIN_CONSTANTS:
         return arg
-    if isinstance(arg, (list, tuple)):
-        return tuple([_encoded(a, inputs) for a in arg])
+    if isinstance(arg, (list, tuple)):  # (sizes: their plain ints kept without a call each)
+        return tuple([a if type(a) in _PLAIN_CONSTANTS else _encoded(a, inputs) for a in arg])
     if isinstance(arg, dict):
         return tuple(sorted((k, _encoded(v, inputs)) for k, v in arg.items()))
     if isinstance(arg, (torch.SymInt, torch.SymFloat, torch.SymBool)):
@@ -2236,12 +2260,18 @@ def _template(result: Union[Rotation, Refusal, None], order: list) -> Any:
     atoms = [a for t in result.tables for f in t.factors for seg in f for a in (seg.atom, seg.zipped) if a is not None]
     if not all(n in index for n in (result.x, *atoms, *result.region, *result.chain)):
         return "again"
-    tables = tuple(Table([[dataclasses.replace(seg, atom=index[seg.atom], zipped=index.get(seg.zipped)) for seg in f]
-                          for f in t.factors], t.width) for t in result.tables)
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(Rotation)
               if f.name not in ("anchor", "x", "tables", "region", "chain", "nodes")}
-    return {"fields": fields, "x": index[result.x], "tables": tables,
+    return {"fields": fields, "x": index[result.x], "tables": _mapped_tables(result.tables, index.__getitem__),
             "region": [index[n] for n in result.region], "chain": [index[n] for n in result.chain]}
+
+
+def _mapped_tables(tables: tuple, mapped) -> tuple:
+    """tables with each segment's atoms replaced by ``mapped(atom)`` (nodes to a template's indices, and back;
+    every other field kept: ``dataclasses.replace`` is slower, and once per segment of every layer's RoPE)."""
+    return tuple(Table([[Segment(**{**vars(seg), "atom": mapped(seg.atom),
+                                    "zipped": None if seg.zipped is None else mapped(seg.zipped)}) for seg in f]
+                        for f in t.factors], t.width) for t in tables)
 
 
 def analysis(ctx: PassContext) -> Analysis:
