@@ -429,9 +429,9 @@ class _Validation:
         probes that follow ``uniform`` in a problem and change only integers (``repeated indices``,
         ``out-of-range index``) draw every float input as the very tensor ``uniform`` drew, untouched
         since, so such a node has the value it had there: those probes reuse it (an MLA's matmuls
-        are computed once, its cache write per probe). Empty where a node of the subgraph writes
-        in place (a reused value could have been written)."""
-        if any(_mutates(node) for node in self.original):
+        are computed once, its cache write per probe). Empty where a node of either side writes in
+        place (a reused value could have been written: the replacement reads the subgraph's values)."""
+        if any(_mutates(node) for node in [*self.original, *self.inserted]):
             return frozenset()
         integers = set(self.rng_states)
         for leaf in self.leaves:

@@ -296,11 +296,18 @@ def test_probes_that_change_only_integers_reuse_what_the_uniform_probe_computed_
     assert runs == 1 + 3  # uniform (reused by 3 integer-only probes), magnitudes, NaN, infinities
 
 
-def test_a_subgraph_that_writes_in_place_reuses_nothing(monkeypatch):
-    """(a reused value could be one the write changed)"""
+@pytest.mark.parametrize("writes_in_place", ["subgraph", "replacement"])
+def test_a_rewrite_that_writes_in_place_reuses_nothing(monkeypatch, writes_in_place):
+    """(a reused value could be one the write changed: the replacement reads the subgraph's values)"""
     in_place = aten.index_put_.default
-    report, runs = mm_calls_of_the_subgraph(monkeypatch, lambda b, *args: rebuilt(b, *args, write=in_place),
-                                            write=in_place)
+
+    def replacement(b, cache, idx, rows):
+        if writes_in_place == "replacement":
+            cache = b.call(aten.clone.default, cache)
+        return rebuilt(b, cache, idx, rows, write=in_place)
+
+    write = in_place if writes_in_place == "subgraph" else aten.index_put.default
+    report, runs = mm_calls_of_the_subgraph(monkeypatch, replacement, write=write)
     assert len(report.matches) == 1, report.summary()
     assert runs == 7  # every probe computes it
 
