@@ -45,10 +45,12 @@ def main() -> int:
             for fallback in fallbacks:
                 outcome = fuzzing.run_program(program, fallback)
                 outcomes.append(outcome)
-                if args.verbose or outcome.mismatch or outcome.unexpected:
-                    flag = "MISMATCH " if outcome.mismatch else "unexpected " if outcome.unexpected else ""
+                if args.verbose or outcome.mismatch or outcome.unexpected or outcome.inductors_own:
+                    flag = "MISMATCH " if outcome.mismatch else "unexpected " if outcome.unexpected else \
+                        "inductor's own " if outcome.inductors_own else ""
+                    why = outcome.mismatch or outcome.unexpected or outcome.inductors_own
                     print(f"[{index} {fallback}] {flag}{program.name}: fused {outcome.fused}"
-                          f"{' - ' + (outcome.mismatch or outcome.unexpected) if flag else ''}", flush=True)
+                          f"{' - ' + why if flag else ''}", flush=True)
     summary = fuzzing.Summary(outcomes)
     print(f"seed {args.seed}: {summary.line()} in {time.perf_counter() - start:.0f} s")
     return 1 if summary.mismatches or (args.strict and summary.unexpected) else 0
