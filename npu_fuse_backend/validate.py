@@ -433,12 +433,8 @@ class _Validation:
         place (a reused value could have been written: the replacement reads the subgraph's values)."""
         if any(_mutates(node) for node in [*self.original, *self.inserted]):
             return frozenset()
-        integers = set(self.rng_states)
-        for leaf in self.leaves:
-            value = leaf.meta.get("val")
-            if isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex()):
-                integers.add(leaf)
-        stable = {leaf for leaf in self.leaves if leaf not in integers}
+        stable = {leaf for leaf in self.leaves if not isinstance(value := leaf.meta.get("val"), torch.Tensor)
+                  or value.is_floating_point() or value.is_complex()}  # (integers, RNG states: drawn afresh)
         for node in [*self.bridge, *self.original]:
             if all(n in stable for n in node.all_input_nodes):
                 stable.add(node)
@@ -519,8 +515,8 @@ class _Validation:
         for probe, values in draws.samples():
             self.evaluations += 1
             if probe == "uniform" and frontier:
-                uniform = {}
-                original = self._side(self.original, values, problem, record=(frontier, uniform))
+                uniform = dict.fromkeys(frontier)
+                original = self._side(self.original, values, problem, record=uniform)
                 if not isinstance(original, dict):
                     uniform = None
             elif uniform is not None and probe.startswith(("repeated indices", "out-of-range index")):
@@ -541,11 +537,11 @@ class _Validation:
         return None
 
     def _side(self, nodes: list, values: dict, problem: "_Problem", fallback=None, precise: bool = False,
-              record: tuple = (None, None), reuse: Optional[dict] = None):
+              record: Optional[dict] = None, reuse: Optional[dict] = None):
         """The values of one side (bridge, then nodes), or Raised; what a side mutates is cloned first.
         ``precise``: every float value in the reference dtype (what a rounding error is measured against:
-        float64, or float32 for a subgraph of 16-bit floats only). ``record``: (nodes, a dict) to put
-        those nodes' values in; ``reuse``: such a record, whose nodes take their recorded values and
+        float64, or float32 for a subgraph of 16-bit floats only). ``record``: a dict whose nodes get
+        their values here; ``reuse``: such a record, whose nodes take their recorded values and
         whose other stable nodes are not needed (see :attr:`stable`)."""
         env = dict(values)
         for leaf in _mutated_leaves(nodes, set(self.leaves)):
@@ -559,9 +555,10 @@ class _Validation:
         if reuse is not None:
             env.update(reuse)
             nodes = [n for n in nodes if n not in self.stable]
-        result = _evaluate(nodes, env, problem, fallback, keep=self.kept | set(record[0] or ()), precise=reference)
-        if record[0] is not None and isinstance(result, dict):
-            record[1].update((n, result[n]) for n in record[0])
+        keep = self.kept | record.keys() if record is not None else self.kept
+        result = _evaluate(nodes, env, problem, fallback, keep=keep, precise=reference)
+        if record is not None and isinstance(result, dict):
+            record.update({n: result[n] for n in record})
         return result
 
     def _verdict(self, probe: str, problem: "_Problem", original, replacement, exact=None) -> Optional[str]:
@@ -1452,15 +1449,15 @@ class _Draws:
     def _sequence(self, dtype: torch.dtype, device, g: torch.Generator, numel: int) -> torch.Tensor:
         """The rewrite's periodic sequence of dtype's values that large inputs (``numel`` real values
         here) are windows of (see :func:`_uniform`), long enough for the largest of the problem's."""
-        real = _real_dtype(dtype)
+        real = dtype.to_real()
         sequence = self.v.periodic.get((real, device))
         if sequence is None or sequence.numel() < numel + PERIOD:
             longest = numel
             for leaf in self.v.leaves:
                 value = leaf.meta.get("val")
-                if isinstance(value, torch.Tensor) and _real_dtype(value.dtype) == real and value.device == device:
-                    numel = math.prod(self.problem.leaf_shape(leaf)) * (2 if value.dtype.is_complex else 1)
-                    longest = max(longest, numel if numel > SCALED_UP_TO else 0)
+                if isinstance(value, torch.Tensor) and value.dtype.to_real() == real and value.device == device:
+                    values = math.prod(self.problem.leaf_shape(leaf)) * (2 if value.dtype.is_complex else 1)
+                    longest = max(longest, values if values > SCALED_UP_TO else 0)
             sequence = self.v.periodic[(real, device)] = _periodic(longest + PERIOD, real, device, g)
         return sequence
 
@@ -1519,15 +1516,11 @@ def _uniform(shape: list, dtype: torch.dtype, device, g: torch.Generator, shared
         (torch.view_as_real(drawn) if dtype.is_complex else drawn).uniform_(-1, 1, generator=g)
         return drawn
     if shared is None:
-        shared, position = _periodic(numel * width, _real_dtype(dtype), device, g), 0
+        shared, position = _periodic(numel * width, dtype.to_real(), device, g), 0
     start = position * PHASE % (PERIOD - PERIOD % PHASE)
     flat = shared[start:start + numel * width]
     drawn = flat.view(*shape, 2) if dtype.is_complex else flat.view(shape)
     return torch.view_as_complex(drawn) if dtype.is_complex else drawn
-
-
-def _real_dtype(dtype: torch.dtype) -> torch.dtype:
-    return {torch.complex64: torch.float32, torch.complex128: torch.float64}.get(dtype, dtype)
 
 
 def _periodic(numel: int, dtype: torch.dtype, device, g: torch.Generator) -> torch.Tensor:
