@@ -287,6 +287,12 @@ def inductor_config_patches(mode: Optional[str], options: Optional[dict]) -> dic
     for key, value in (options or {}).items():
         name = key.replace("-", "_")
         if name not in known:
+            from npu_fuse_backend import config
+
+            if name in config.get_config_copy() and not name.startswith("_"):
+                raise ValueError(f"npu_fuse: options[{key!r}] is a setting of npu_fuse, not an inductor option: "
+                                 f"set it with npu_fuse.config.patch({name}=...) around the compile (or "
+                                 f"npu_fuse_backend.config.{name} = ...); options go to inductor")
             close = difflib.get_close_matches(name, [*known, *_npu_names()], n=5)
             raise ValueError(f"npu_fuse: options[{key!r}] is not an inductor option"
                              f"{f' (did you mean {close}?)' if close else ''}; the options are "

@@ -1625,15 +1625,31 @@ def _meta_key(node: Node, args, kwargs, problem: _Problem) -> Optional[tuple]:
     if problem.rows and node.target in _ARANGES:
         return None
     parts = [node]
-    for x in torch.utils._pytree.tree_leaves((args, kwargs)):
-        if isinstance(x, torch.Tensor):
-            parts.append((tuple(x.shape), x.stride(), x.storage_offset(), x.dtype))
-        elif x is None or isinstance(x, (int, float, bool, str, torch.dtype, torch.device, torch.memory_format,
-                                         torch.layout)):
-            parts.append((type(x), x))
-        else:  # (an op overload, a generator...: keyed by what it is)
-            parts.append(id(x))
+    _key_parts(args, parts)
+    if kwargs:
+        _key_parts(kwargs, parts)
     return tuple(parts)
+
+
+_PLAIN = (int, float, bool, str, torch.dtype, torch.device, torch.memory_format, torch.layout, type(None))
+
+
+def _key_parts(x: Any, parts: list) -> None:
+    """x's metadata appended to parts (a walk of its lists, tuples and dicts: pytree's costs ~4x)."""
+    if isinstance(x, torch.Tensor):
+        parts.append((tuple(x.shape), x.stride(), x.storage_offset(), x.dtype))
+    elif isinstance(x, (tuple, list)):
+        parts.append((type(x), len(x)))
+        for y in x:
+            _key_parts(y, parts)
+    elif isinstance(x, dict):
+        parts.append((dict, tuple(x)))
+        for y in x.values():
+            _key_parts(y, parts)
+    elif isinstance(x, _PLAIN):
+        parts.append((type(x), x))
+    else:  # (an op overload, a generator...: keyed by what it is)
+        parts.append(id(x))
 
 
 def _call(node: Node, args, kwargs, problem: _Problem, meta: bool):

@@ -175,6 +175,9 @@ def test_mode_reaches_inductor_with_a_pre_pass_from_inductors_config():
      r"options\['max_autotun'\] is not an inductor option \(did you mean \['max_autotune'.*; the options are "
      r"torch._inductor.list_options\(\)"),
     ({"options": {"max_autotune": "yes"}}, r"options\['max_autotune'\]='yes' must be a bool"),
+    ({"options": {"translation_validation": False}},
+     r"options\['translation_validation'\] is a setting of npu_fuse, not an inductor option: set it with "
+     r"npu_fuse.config.patch\(translation_validation=...\)"),
 ])
 def test_bad_inductor_mode_or_options_are_named(kwargs, message):
     with config.patch(fallback="inductor"), pytest.raises(Exception, match=message):
