@@ -81,36 +81,33 @@ def canonicalize(graph: Graph) -> int:
     outputs = {n for out in graph.find_nodes(op="output") for n in out.all_input_nodes}
     seen: dict = {}
     changed = 0
-    # Each read of a fake tensor's attribute first looks for a __torch_function__ override, which FakeTensor
-    # has none of: with subclasses' torch functions off it skips that look-up, and nothing else (2x faster)
-    with torch._C.DisableTorchFunctionSubclass():
-        for node in calls_of(graph, _EDITED):  # (the calls of the ops this edits, in graph order: not every node)
-            target = id(node.target)
-            tensor_overload = _TENSOR_OVERLOAD.get(target)
-            if tensor_overload is not None:
-                node.target = tensor_overload
-                changed += 1
-                continue
-            output = node in outputs
-            if not output and _is_noop(node):
-                node.replace_all_uses_with(node.args[0])
-            elif target in _DEDUPLICATED:
-                # (FX's immutable args hash; OpOverloads and an empty kwargs dict hash slowly)
-                key = (target, node.args, node.kwargs or None)
-                try:
-                    first = seen.setdefault(key, node)
-                except TypeError:  # an unhashable constant argument: leave the node alone
-                    continue
-                if first is node:
-                    continue
-                if output:  # (saved for the backward: the graph returns it, every other user reads the first)
-                    if any(u.op != "output" for u in node.users):
-                        node.replace_all_uses_with(first, delete_user_cb=lambda user: user.op != "output")
-                        changed += 1
-                    continue
-                node.replace_all_uses_with(first)
-            else:
-                continue
-            graph.erase_node(node)
+    for node in calls_of(graph, _EDITED):  # (the calls of the ops this edits, in graph order: not every node)
+        target = id(node.target)
+        tensor_overload = _TENSOR_OVERLOAD.get(target)
+        if tensor_overload is not None:
+            node.target = tensor_overload
             changed += 1
+            continue
+        output = node in outputs
+        if not output and _is_noop(node):
+            node.replace_all_uses_with(node.args[0])
+        elif target in _DEDUPLICATED:
+            # (FX's immutable args hash; OpOverloads and an empty kwargs dict hash slowly)
+            key = (target, node.args, node.kwargs or None)
+            try:
+                first = seen.setdefault(key, node)
+            except TypeError:  # an unhashable constant argument: leave the node alone
+                continue
+            if first is node:
+                continue
+            if output:  # (saved for the backward: the graph returns it, every other user reads the first)
+                if any(u.op != "output" for u in node.users):
+                    node.replace_all_uses_with(first, delete_user_cb=lambda user: user.op != "output")
+                    changed += 1
+                continue
+            node.replace_all_uses_with(first)
+        else:
+            continue
+        graph.erase_node(node)
+        changed += 1
     return changed

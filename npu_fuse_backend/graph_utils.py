@@ -5,6 +5,7 @@ node, and shape comparisons never add guards (symbolic sizes compare only when
 they are known equal).
 """
 
+import functools
 import sys
 from typing import Any, Iterable, Optional
 
@@ -45,6 +46,27 @@ UNINITIALIZED = ("empty", "empty_strided", "empty_like", "new_empty", "new_empty
 
 def uninitialized(node: Node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and node.target._opname in UNINITIALIZED
+
+
+def draws_random(target: Any) -> bool:
+    """A call target that draws random numbers (running it advances the user's generator)."""
+    if isinstance(target, torch._ops.OpOverload):
+        return torch.Tag.nondeterministic_seeded in target.tags
+    return target is torch.ops.higher_order.run_and_save_rng_state
+
+
+def mutates(target: Any) -> bool:
+    """A call target that writes one of its arguments."""
+    schema = getattr(target, "_schema", None)
+    return schema is not None and schema.is_mutable
+
+
+@functools.lru_cache(maxsize=4096)
+def pure_aten_op(target: Any) -> bool:
+    """An aten/prims op whose result is a function of its arguments alone: no random draw, no
+    mutation, no uninitialized memory. Once per op: reading its tags is slow."""
+    return isinstance(target, torch._ops.OpOverload) and target.namespace in ("aten", "prims") and \
+        not draws_random(target) and not mutates(target) and target._opname not in UNINITIALIZED
 
 
 def attribute(node: Node) -> Any:

@@ -24,7 +24,7 @@ import torch
 from torch.fx import Node
 
 from .fusion import NotFused
-from .graph_utils import INT_MAX, aten, call_arg, is_call, norm_dim, rank, slice_args, static_int, val
+from .graph_utils import INT_MAX, aten, call_arg, draws_random, is_call, norm_dim, rank, slice_args, static_int, val
 
 # the ops that change only a tensor's dtype (what ``uncast`` looks through), and the keywords such a
 # call may carry and still be just a cast
@@ -257,8 +257,7 @@ def _same_value(a: Node, b: Node) -> bool:
     """a and b compute one value: the same deterministic op of the same arguments."""
     if not (isinstance(a, Node) and isinstance(b, Node) and a.op == b.op == "call_function"):
         return False
-    random = isinstance(a.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in a.target.tags
-    return not random and a.target == b.target and a.args == b.args and a.kwargs == b.kwargs
+    return not draws_random(a.target) and a.target == b.target and a.args == b.args and a.kwargs == b.kwargs
 
 
 def match_rms_core(node) -> Optional[RmsCore]:

@@ -56,8 +56,8 @@ from torch.fx import Graph, Node
 
 from .canonicalize import PERMUTES
 from .fusion import FusionPass, NotFused, PassContext
-from .graph_utils import UNINITIALIZED, VIEWS, aten, attribute, call_arg, calls_of, describe, dtype_name, is_call, \
-    norm_dim, shape_eq, size_eq, slice_args, slice_scatter_args, static_int, uninitialized, users_outside, val
+from .graph_utils import VIEWS, aten, attribute, call_arg, calls_of, describe, dtype_name, is_call, norm_dim, \
+    pure_aten_op, shape_eq, size_eq, slice_args, slice_scatter_args, static_int, uninitialized, users_outside, val
 from .matchers import CAST_KWARGS, DTYPE_CASTS, ZERO_FILLS
 
 SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
@@ -360,15 +360,6 @@ def _permutation(node: Node, nd: int) -> list:
 
 
 CONSTANT_DEPTH = 8  # ops between a constant table and the attributes and factories it is computed from
-
-
-@functools.lru_cache(maxsize=4096)
-def _constant_op(target: Any) -> bool:
-    """An aten op whose result is a function of its arguments alone (no random draw, no uninitialized
-    memory, no mutation). Once per op: reading its tags is slow, and every table of every layer asks."""
-    return isinstance(target, torch._ops.OpOverload) and target.namespace in ("aten", "prims") and \
-        torch.Tag.nondeterministic_seeded not in target.tags and not target._schema.is_mutable and \
-        target._opname not in UNINITIALIZED
 
 
 def _attribute_tensor(node: Node) -> Optional[torch.Tensor]:
@@ -1813,7 +1804,7 @@ class Analysis:
         found = None
         if node.op == "get_attr":
             found = _attribute_tensor(node)
-        elif node.op == "call_function" and _constant_op(node.target):
+        elif node.op == "call_function" and pure_aten_op(node.target):
             inputs = {}
             for a in node.all_input_nodes:
                 inputs[a] = self.constant(a, depth + 1)

@@ -120,7 +120,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
 
-from .graph_utils import attribute, describe, uninitialized
+from .graph_utils import attribute, describe, draws_random, mutates, uninitialized
 
 log = logging.getLogger("npu_fuse")
 aten = torch.ops.aten
@@ -298,19 +298,6 @@ def _is_float_tensor(node: Node) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
-def _mutates(node: Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and schema.is_mutable
-
-
-def _is_random(node: Node) -> bool:
-    """A node that draws random numbers (running it would advance the user's generator)."""
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return torch.Tag.nondeterministic_seeded in target.tags
-    return target is torch.ops.higher_order.run_and_save_rng_state
-
-
 def _runnable(node: Node) -> bool:
     """A node the bridge may run: a known op (below) that neither draws random numbers nor mutates."""
     target = node.target
@@ -327,7 +314,7 @@ def _runnable(node: Node) -> bool:
 
 def _runnable_node(node: Node) -> bool:
     # (an ``empty``'s value is no input to compute, though a side may run it: it writes it before reading)
-    return not _is_random(node) and not uninitialized(node) and not _mutates(node) and _known(node)
+    return not draws_random(node.target) and not uninitialized(node) and not mutates(node.target) and _known(node)
 
 
 # id(call target) -> (the target, _runnable of its calls) (asked of every node a bridge walks past; by id:
@@ -373,11 +360,11 @@ class _Validation:
             if known is not None and known[0] is target:  # (an op call's: a property of its op)
                 refused = known[1]
             else:
-                refused = _is_random(node) or not _known(node)
+                refused = draws_random(node.target) or not _known(node)
                 if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
                     _REFUSED_TARGETS[id(target)] = (target, refused)
             if refused:
-                what = "random" if _is_random(node) else "opaque"
+                what = "random" if draws_random(node.target) else "opaque"
                 raise Unvalidatable(f"{describe(node)} is {what}: validation never runs such an op")
         original, replacement = set(self.original), set(self.inserted)
         reads = [n for node in self.original for n in node.all_input_nodes if n not in original]
@@ -431,7 +418,7 @@ class _Validation:
         since, so such a node has the value it had there: those probes reuse it (an MLA's matmuls
         are computed once, its cache write per probe). Empty where a node of either side writes in
         place (a reused value could have been written: the replacement reads the subgraph's values)."""
-        if any(_mutates(node) for node in [*self.original, *self.inserted]):
+        if any(mutates(node.target) for node in [*self.original, *self.inserted]):
             return frozenset()
         stable = {leaf for leaf in self.leaves if not isinstance(value := leaf.meta.get("val"), torch.Tensor)
                   or value.is_floating_point() or value.is_complex()}  # (integers, RNG states: drawn afresh)
@@ -712,7 +699,7 @@ def _mutated_leaves(nodes: list, leaves: set) -> list:
     """The leaves whose memory a node of ``nodes`` (or auto_functionalized's bases) writes."""
     found = []
     for node in nodes:
-        if not _mutates(node):
+        if not mutates(node.target):
             continue
         schema = node.target._schema
         for argument, value in zip(schema.arguments, node.args):
