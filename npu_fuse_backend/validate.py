@@ -442,7 +442,7 @@ class _Validation:
                 shape = problem.shapes.get(node)
                 if shape is None:
                     return None
-                held += math.prod(shape) * _itemsize(value.dtype)
+                held += math.prod(shape) * value.dtype.itemsize
         return frontier if frontier and held <= MEMORY_BUDGET // 8 else None
 
     def signature(self) -> Optional[tuple]:
@@ -769,6 +769,10 @@ class _Plan:
         self.meta_results: dict = {}  # (node, its arguments' metadata) -> its meta value: shrinks tried one
         # after another share most of their nodes' shapes
 
+    @functools.cached_property
+    def windows(self) -> tuple:
+        return _size_windows(self.v.nodes, self.v.leaves)
+
     def problems(self):
         v = self.v
         probes = ("uniform",)  # then the probes that draw its float values again (see _Validation.stable)
@@ -975,7 +979,7 @@ class _Plan:
         for size, n in lengths.items():
             for leaf_dim in size.dims:
                 problem.dims[leaf_dim] = size
-        problem.values, products = _value_map(self.v.nodes, self.v.leaves, lengths, problem.node_values)
+        problem.values, products = _value_map(self.windows, lengths, problem.node_values)
         for leaf in self.v.leaves:
             value = leaf.meta.get("val")
             if isinstance(value, torch.Tensor):  # a dim that a size list names as a product follows it too
@@ -1047,7 +1051,7 @@ class _Plan:
             shape = problem.shapes.get(node)
             if not isinstance(value, torch.Tensor) or shape is None or (node.target in _VIEWS and not as_float64):
                 return 0  # (a view holds nothing, but in the reference dtype it reads a converted copy)
-            itemsize = value.element_size()
+            itemsize = value.dtype.itemsize  # (a fake tensor's element_size() dispatches: ~10x slower)
             if as_float64 and (value.is_floating_point() or value.is_complex()):
                 itemsize = 16 if value.is_complex() else 8
             return math.prod(shape) * itemsize
@@ -1065,7 +1069,7 @@ class _Plan:
         inputs = sum(size(n) for n in v.leaves)
         outputs = sum(size(n) for n in v.outputs)  # the subgraph's outputs, kept for the comparison
         if precise:  # the values in the reference dtype, each input converted where a node reads it
-            wide = lambda n: size(n, as_float64=True) * _itemsize(self.v.reference_dtype) // 8  # noqa: E731
+            wide = lambda n: size(n, as_float64=True) * self.v.reference_dtype.itemsize // 8  # noqa: E731
             converted = max((sum(wide(i) for i in n.all_input_nodes if i in set(v.leaves)) for n in v.original),
                             default=0)
             return inputs + outputs + sum(size(n) for n in v.outputs.values()) + converted + \
@@ -1172,34 +1176,22 @@ def _elements(problem: _Problem, leaves: list) -> int:
     return sum(math.prod(problem.shapes[leaf]) for leaf in leaves if leaf in problem.shapes)
 
 
-def _value_map(nodes: list, leaves: list, lengths: dict, node_values: dict) -> tuple:
+def _value_map(windows: tuple, lengths: dict, node_values: dict) -> tuple:
     """({integer argument: its value in the problem}, {input size: its length}): each changed
     per-value size, and its products with neighbouring sizes where unambiguous: of the dims of an
     input (what a flattening view names), and of the entries of a size list (``view(q, [-1, 32, 192])``
-    names the 6144 = 32 * 192 columns of q and of the weight that makes q, which then follow too)."""
+    names the 6144 = 32 * 192 columns of q and of the weight that makes q, which then follow too).
+    ``windows``: the rewrite's :func:`_size_windows`."""
     values = {size.real: n for size, n in lengths.items()
               if size.by_value and size.symbol is None and n != size.real}
-    sizes = {s for leaf in leaves if isinstance(leaf.meta.get("val"), torch.Tensor)
-             for s in leaf.meta["val"].shape if isinstance(s, int)}
-    windows = []
-    for leaf in leaves:
-        value = leaf.meta.get("val")
-        if isinstance(value, torch.Tensor) and all(isinstance(s, int) for s in value.shape):
-            windows.append((list(value.shape), False))
-    for node in nodes:
-        for arg in node.args:
-            if isinstance(arg, (list, tuple)) and len(arg) > 1 and all(type(x) is int for x in arg):
-                windows.append(([x for x in arg if x > 0], node_values.get(node, {})))
+    sizes, products_of = windows
     products: dict = {}
-    for shape, own in windows:
-        named = own is not False
-        mapping = {**values, **(own or {})}
-        for start in range(len(shape)):
-            for end in range(start + 2, len(shape) + 1):
-                window = shape[start:end]
-                if sum(s > 1 for s in window) > 1 and any(s in mapping for s in window):  # a product of sizes
-                    real, new = math.prod(window), math.prod(mapping.get(s, s) for s in window)
-                    products.setdefault(real, {}).setdefault(new, set()).add(named)
+    for window, real, node in products_of:
+        own = node_values.get(node) if node is not None else None
+        mapping = {**values, **own} if own else values
+        if any(s in mapping for s in window):  # a product of sizes
+            new = math.prod(mapping.get(s, s) for s in window)
+            products.setdefault(real, {}).setdefault(new, set()).add(node is not None)
     derived = {}
     changed = {size.real for size in lengths}
     for real, news in products.items():
@@ -1211,6 +1203,31 @@ def _value_map(nodes: list, leaves: list, lengths: dict, node_values: dict) -> t
                 derived[real] = new
                 values[real] = new
     return values, derived
+
+
+def _size_windows(nodes: list, leaves: list) -> tuple:
+    """(the inputs' static sizes, [(a run of sizes, their product, the node whose size list it is in, or None
+    for an input's dims)]): the products :func:`_value_map` may remap, found once per plan (each problem
+    of it asks)."""
+    sizes = {s for leaf in leaves if isinstance(leaf.meta.get("val"), torch.Tensor)
+             for s in leaf.meta["val"].shape if isinstance(s, int)}
+    lists = []
+    for leaf in leaves:
+        value = leaf.meta.get("val")
+        if isinstance(value, torch.Tensor) and all(isinstance(s, int) for s in value.shape):
+            lists.append((list(value.shape), None))
+    for node in nodes:
+        for arg in node.args:
+            if isinstance(arg, (list, tuple)) and len(arg) > 1 and all(type(x) is int for x in arg):
+                lists.append(([x for x in arg if x > 0], node))
+    runs = []
+    for shape, node in lists:
+        for start in range(len(shape)):
+            for end in range(start + 2, len(shape) + 1):
+                window = tuple(shape[start:end])
+                if sum(s > 1 for s in window) > 1:
+                    runs.append((window, math.prod(window), node))
+    return sizes, runs
 
 
 def _ints_of(node: Node, cache: dict) -> frozenset:
@@ -1737,10 +1754,6 @@ def _widened(tree: Any, dtype: torch.dtype) -> Any:
         return x
 
     return torch.utils._pytree.tree_map(one, tree)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _remapped(tree: Any, values: dict) -> Any:
