@@ -73,9 +73,11 @@ Otherwise:
    Python and slow, are not run.) Symbolic sizes
    are symbols: the shrunk run sets each one to a small value that satisfies every guard of the
    graph's shape environment.
-2. *Confirmation*, one per shrunk size (or symbol): that size at its real length (the hint of
-   a symbol), the others shrunk, on the ``magnitudes`` probe, so every position of every dim
-   is evaluated once at its real place. Where that exceeds the budget (a long sequence, a
+2. *Confirmation*, of every shrunk size (or symbol) at its real length (the hint of a symbol),
+   the other sizes shrunk, on the ``magnitudes`` probe, so every position of every dim is
+   evaluated once at its real place. The static sizes that fit the budget at their real lengths
+   all at once are confirmed together, in one evaluation (each reads what no shrink touches: an
+   MLA's weights), the others one at a time. Where one exceeds the budget (a long sequence, a
    paged cache's blocks), the size is confirmed on ``SAMPLE_ROWS`` sampled rows instead: the
    rows include the first and the last, and an ``arange`` of that length yields the sampled
    rows' real positions. A paged cache's blocks and block size are confirmed in turn, the
@@ -83,8 +85,9 @@ Otherwise:
 3. A symbolic graph runs once more, ``uniform``, at a second small value of every symbol.
 
 **Budget.** Every evaluation is sized before it runs, from its nodes' shapes: those of a run on
-meta tensors, or for a confirmation those of the shrunk problem with the one size's prime at its
-new length (each node's shape is checked as it runs, a factory's before it allocates): it may hold at most ``MEMORY_BUDGET`` bytes at once (inputs, clones of what a side mutates, the
+meta tensors, or for a confirmation those of the shrunk problem with the confirmed sizes' primes at
+their new lengths (each node's shape is checked as it runs, a factory's before it allocates): it may
+hold at most ``MEMORY_BUDGET`` bytes at once (inputs, clones of what a side mutates, the
 live intermediates of one side, a fused kernel's temporaries, the float64 reference where it
 runs); outputs are compared block by block. A weight is drawn as a repeated random block of a
 prime length (cheap, and no two of its rows alike; the weights no probe scales are windows of one
@@ -800,8 +803,7 @@ class _Plan:
             return
         self._fits(shrunk)
         yield shrunk
-        for size in shrunk.lengths:
-            yield self._confirmation(shrunk, size, primes)
+        yield from self._confirmations(shrunk, primes)
         second = dict(shrunk.lengths)
         for size in shrunk.lengths:
             if size.symbol is not None:
@@ -850,16 +852,17 @@ class _Plan:
             if problem is not None:
                 return problem
         # one size at a time, the largest saving first, keeping those that shrink consistently, until the
-        # inputs are small (a size saving less than 1 % of them is not tried)
-        total = _elements(real, self.v.leaves)
+        # inputs are small (a size saving less than 1 % of what is left of them is not tried: once an MLA's
+        # 1 GB cache is shrunk, its heads are worth shrinking, whose weights every evaluation reads)
+        left = _elements(real, self.v.leaves)
         chosen: list = []
         problem = None
         failed = set()  # values a per-dim size of which did not shrink: tried per value afterwards
         fine = sorted(((s, self._saving(s, real)) for s in sizes), key=lambda item: -item[1])
         coarse = [(s, self._saving(s, real)) for s in merged if len(s.dims) > 1 and s not in sizes]
-        tries = misses = 0
+        tries = 0
         for size, saving in fine + coarse:
-            if saving < total // 100 or (size in merged and size not in sizes and size.real not in failed):
+            if saving < left // 100 or (size in merged and size not in sizes and size.real not in failed):
                 continue
             tries += 1
             if tries > GREEDY_TRIES:
@@ -869,13 +872,10 @@ class _Plan:
             trial = self._try_shrink(chosen + [size], primes, probes)
             if trial is not None:
                 chosen.append(size)
-                problem, misses = trial, 0
-            else:
-                if size.symbol is None:
-                    failed.add(size.real)
-                misses += 1
-                if problem is not None and misses >= 2:  # (the sizes an op fixes fail one after another)
-                    break
+                problem = trial
+                left = _elements(problem, self.v.leaves)
+            elif size.symbol is None:
+                failed.add(size.real)
         return problem
 
     def _saving(self, size: _Size, real: _Problem) -> int:
@@ -895,7 +895,9 @@ class _Plan:
 
     def _try_shrink(self, sizes: list, primes: list, probes: tuple) -> Optional[_Problem]:
         """Static sizes take the first primes, symbols small values made of the others."""
-        static = [s for s in sizes if s.symbol is None]
+        # the smallest primes to the smallest sizes, which they shrink the most relative to their length (an
+        # MLA's 16 heads become 5 in the weights every evaluation reads, its 7282 cache blocks 13)
+        static = sorted((s for s in sizes if s.symbol is None), key=lambda s: s.real)
         lengths = dict(zip(static, primes))
         rest = primes[len(static):]
         for size in sizes:
@@ -922,6 +924,28 @@ class _Plan:
                     return None
                 del repairs[why.node]
         return None
+
+    def _confirmations(self, shrunk: _Problem, primes: list):
+        """Every shrunk size at its real length: the static ones together, as many as fit the budget at
+        once (each evaluation reads what no shrink touches: an MLA's weights), the others one at a time."""
+        together, alone = None, []
+        for size in shrunk.lengths:
+            if size.symbol is None:
+                sizes = [s for s in shrunk.lengths if together and together.lengths[s] != shrunk.lengths[s]] + [size]
+                lengths = {**shrunk.lengths, **{s: s.real for s in sizes}}
+                label = f"confirming size {size} at its real length" if len(sizes) == 1 else \
+                    f"confirming sizes {', '.join(map(repr, sizes))} at their real lengths"
+                trial = self._problem(label, lengths, {}, ("magnitudes",), repairs=shrunk.repairs, base=shrunk)
+                held = self._bytes(trial)
+                if held <= MEMORY_BUDGET:
+                    together, together_held = trial, held
+                    continue
+            alone.append(size)
+        if together is not None:
+            self._fits(together, together_held)
+            yield together
+        for size in alone:
+            yield self._confirmation(shrunk, size, primes)
 
     def _confirmation(self, shrunk: _Problem, size: _Size, primes: list) -> _Problem:
         lengths = dict(shrunk.lengths)
@@ -1097,22 +1121,23 @@ class _Plan:
 
 
 def _derive_shapes(problem: _Problem, base: _Problem, leaves: list) -> bool:
-    """Every node's shape in ``problem`` from its shape in ``base`` when they differ in one static
-    size only: base's length of it is a prime that divides no other integer of the rewrite, so each
-    dim holds that prime once per time the size enters it, and the dim at the new length follows.
+    """Every node's shape in ``problem`` from its shape in ``base`` when they differ in static sizes
+    only: base's length of each is a prime that divides no other integer of the rewrite, so each dim
+    holds that prime once per time the size enters it, and the dim at the new lengths follows.
     The evaluation checks each node's shape as it runs (``_shape_checked``); False when the shapes
-    cannot be derived (a symbol changed, several sizes, a leaf that disagrees)."""
+    cannot be derived (a symbol changed, a leaf that disagrees)."""
     changed = [size for size, n in problem.lengths.items() if base.lengths.get(size) != n]
-    if len(changed) != 1 or changed[0].symbol is not None or set(problem.lengths) != set(base.lengths):
+    if not changed or any(size.symbol is not None for size in changed) or set(problem.lengths) != set(base.lengths):
         return False
-    prime, new = base.lengths[changed[0]], problem.lengths[changed[0]]
+    swaps = [(base.lengths[size], problem.lengths[size]) for size in changed]
 
     def follow(dim: int) -> int:
-        times = 0
-        while dim and dim % prime == 0:
-            dim //= prime
-            times += 1
-        return dim * new ** times
+        rest, factor = dim, 1
+        for prime, new in swaps:
+            while rest and rest % prime == 0:
+                rest //= prime
+                factor *= new
+        return rest * factor
 
     shapes = {node: tuple(follow(d) for d in shape) for node, shape in base.shapes.items()}
     if any(shapes.get(leaf) != problem.shapes[leaf] for leaf in leaves if leaf in problem.shapes):

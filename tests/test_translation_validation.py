@@ -616,7 +616,7 @@ def test_sampled_rows_keep_their_real_positions():
 
     args = (torch.randn(rows, 16),)  # over FULL_ELEMENTS: shrunk first
     report, _ = run_pass(positions, args, bf16_positions, aten.mul.Tensor)
-    assert report.matches == [] and "at its real length" in report.near_misses[0].reason
+    assert report.matches == [] and "real length" in report.near_misses[0].reason  # (with the 16 columns)
     validate.forget_shown_equal()
     old_budget = validate.MEMORY_BUDGET
     validate.MEMORY_BUDGET = 1 << 20
