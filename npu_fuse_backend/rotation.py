@@ -67,6 +67,7 @@ ANCHORS = (aten.add.Tensor, aten.sub.Tensor, aten.cat.default, aten.stack.defaul
 
 MAX_TERMS = 4  # terms per lane: more is not a RoPE
 MAX_LANES = 8192  # lanes of one value
+MAX_MATRIX = 256  # the side of a matrix that may move lanes (``x @ R``): read as a constant of up to 256 * 256 values
 MAX_REGION = 96  # interpreted nodes per anchor
 DEPENDENCE_BUDGET = 256  # nodes visited to prove a table independent of x
 NEAR = 8  # an anchor is at most this many lane ops from a lane move
@@ -280,6 +281,69 @@ def _expands_lanes(node: Node, sv, nv) -> bool:
     return nv.dim() == sv.dim() and shape_eq(sv.shape[:-1], nv.shape[:-1])
 
 
+LANE_MATMULS = (aten.mm.default, aten.bmm.default)
+
+
+def _shared_matrix(m: Node) -> Optional[Node]:
+    """The 2-D matrix a matmul's operand is: m itself, or for a bmm the matrix it repeats over the batch
+    (``view(expand(R, [.., D, D]), [B, D, D])``, as aten's matmul passes a 2-D R); else None."""
+    v = val(m)
+    if not isinstance(v, torch.Tensor) or v.dim() < 2:
+        return None
+    if v.dim() == 2:
+        return m
+    src = m.args[0] if is_call(m, aten.expand.default, aten.unsqueeze.default, *VIEWS) else None
+    sv = val(src)
+    if not isinstance(sv, torch.Tensor) or sv.dim() < 2 or not shape_eq(sv.shape[-2:], v.shape[-2:]) or \
+            (is_call(m, aten.expand.default) and any(static_int(d) != 1 for d in sv.shape[:-2])):
+        return None
+    return _shared_matrix(src)
+
+
+def _lane_matrix(mm: Node) -> bool:
+    """``mm(a, m)`` (or ``bmm`` by one matrix for the batch) by a static [D, D] matrix on a's D lanes (D at most
+    MAX_MATRIX): lanes moved where it is a signed permutation (``x @ R``, rotate_half as a matrix). Shape-only:
+    the interpretation reads the matrix."""
+    a, m = mm.args[:2]
+    av = val(a)
+    if not isinstance(a, Node) or not isinstance(m, Node) or not isinstance(av, torch.Tensor) or \
+            av.dim() != (2 if mm.target is aten.mm.default else 3):
+        return False
+    r = _shared_matrix(m)
+    d = static_int(av.shape[-1])
+    return r is not None and d is not None and d <= MAX_MATRIX and \
+        static_int(val(r).shape[0]) == d == static_int(val(r).shape[1])
+
+
+def _matmul_of(view: Node) -> Optional[tuple]:
+    """(s, the matrix, the view of s, the mm) for a view that gives ``mm(view(s, [.., D]), m)`` s's shape back
+    (aten's ``s @ m`` of an s of more than 2 dims, a bmm where s is not contiguous), else None."""
+    mm = view.args[0] if view.args else None
+    if not is_call(mm, *LANE_MATMULS) or not _lane_matrix(mm):
+        return None
+    flat = mm.args[0]
+    s = flat.args[0] if is_call(flat, *VIEWS) else None
+    sv, v = val(s), val(view)
+    if not isinstance(sv, torch.Tensor) or not isinstance(v, torch.Tensor) or not shape_eq(v.shape, sv.shape):
+        return None
+    return s, _shared_matrix(mm.args[1]), flat, mm
+
+
+def _rule_view(node: Node) -> Optional[bool]:
+    """True for a pairs view and for the view back after a lane matrix's mm; False for the view that flattens the
+    leading dims for it (its lanes kept); else None."""
+    tensors = _tensor_args(node)
+    if tensors is None:
+        return None
+    sv, nv = tensors
+    if _is_pairs_view(sv.shape, nv.shape, call_arg(node, 1, "size")) or _matmul_of(node) is not None:
+        return True
+    if nv.dim() in (2, 3) and nv.dim() <= sv.dim() and size_eq(nv.shape[-1], sv.shape[-1]) and node.users and \
+            all(is_call(u, *LANE_MATMULS) and u.args[0] is node and _lane_matrix(u) for u in node.users):
+        return False
+    return None
+
+
 _LANE_RULES_BY_TARGET = {
     **{t: _rule_arith for t in (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor)},
     **{t: (lambda node: False) for t in (aten.neg.default, aten.copy.default, *SAME)},
@@ -287,7 +351,8 @@ _LANE_RULES_BY_TARGET = {
     **{t: _rule_cat for t in (aten.cat.default, aten.stack.default)},
     **{t: (lambda node: True if _split_on_lanes(node) else None) for t in SPLITS},
     operator.getitem: _rule_getitem,
-    **{t: _shaped(lambda node, sv, nv: _is_pairs_view(sv.shape, nv.shape, call_arg(node, 1, "size"))) for t in VIEWS},
+    **{t: _rule_view for t in VIEWS},
+    **{t: (lambda node: True if _lane_matrix(node) else None) for t in LANE_MATMULS},
     aten.slice.Tensor: _shaped(lambda node, sv, nv: _lane_dim(slice_args(node)[0], sv.dim())),
     aten.select.int: _shaped(lambda node, sv, nv: _lane_dim(node.args[1], sv.dim(), 2)),
     **{t: _rule_permute for t in PERMUTES},
@@ -441,6 +506,8 @@ class _Interpretation:
         self.depth = 0  # of the evaluation under way (bounded: chains of residual adds are long)
         self.ambiguous: list = []  # views of x read as lanes that may be leading dims instead
         self.permuted: list = []  # permutes of x's leading dims
+        self.matrices: dict = {}  # products of x's lanes by a matrix they cannot follow -> (why, x times tables)
+        self.witnesses: dict = {}  # products by a signed permutation matrix -> the value the matrix multiplies
 
     # values
     def value(self, node: Any) -> Any:
@@ -707,6 +774,10 @@ def _lanes_of(self: _Interpretation, arg: Node, k_atom: int = 1) -> Lanes:
 
 
 def _reshape_view(self: _Interpretation, node: Node) -> Any:
+    matmul = _matmul_of(node)
+    if matmul is not None:
+        s, matrix, flat, mm = matmul
+        return _matmul(self, node, s, matrix, (flat, mm))
     src = _lanes_of(self, node.args[0])
     in_shape, out_shape = val(node.args[0]).shape, val(node).shape
     lead = in_shape[:len(in_shape) - src.k]
@@ -905,6 +976,76 @@ def _index_put(self: _Interpretation, node: Node) -> Any:
     if any(len(p) > MAX_TERMS for p in polys):
         raise _Opaque(f"more than {MAX_TERMS} terms per lane")
     return self.lanes(node, base.k, False, polys, [base, v])
+
+
+def _mm(self: _Interpretation, node: Node) -> Any:
+    if not _lane_matrix(node):
+        raise _Opaque(f"{node.name} is a matmul, not by a [D, D] matrix on the lanes")
+    return _matmul(self, node, node.args[0], _shared_matrix(node.args[1]))
+
+
+def _matmul(self: _Interpretation, node: Node, src_node: Node, matrix: Node, extra=()) -> Any:
+    """``src @ matrix`` with the matrix a constant signed permutation: lane j of the result is ``±src[..., i]``,
+    ``matrix[i, j]`` the one nonzero of its column. A matrix of values unknown here, or any other matrix (a
+    general linear map), is no lane move; where x's lanes are its input, why is kept for the sum that reads it."""
+    src = _lanes_of(self, src_node)
+    if src.k != 1 or src.cplx:
+        raise _Opaque(f"{node.name} multiplies lanes of another layout by a matrix")
+    if self.analysis.depends(matrix, self.x):
+        raise _Opaque(f"{node.name} multiplies {self.x.name} by a matrix computed from it")
+    found = self.analysis.constant(matrix)
+    columns = _signed_permutation(found) if found is not None else _unknown_matrix(self.analysis, matrix)
+    if isinstance(columns, str) and found is not None:
+        columns = (f"the matrix {matrix.name} is no signed permutation ({columns}): {node.name} is a linear map of "
+                   f"the lanes of {src_node.name}, not a rotation")
+    if isinstance(columns, str):
+        if not all(len(p) == 1 and p[0][1] != NO_X and not any(f[0] in self.why for f in p[0][3]) for p in src.polys):
+            raise _Opaque(columns)
+        # x's lanes (times tables) by an unknown matrix: an atom that depends on x, of the region that reads x
+        self.matrices[node] = (columns, all(p[0][3] for p in src.polys))
+        self.why[node] = columns
+        return Lanes(node, 1, False, self.atom_polys(node, 1, False), src.rounds, src.region | {node, *extra})
+    polys = [src.polys[i] if sign > 0 else _neg(src.polys[i]) for i, sign in columns]
+    while is_call(src_node, *SAME, aten.expand.default) and shape_eq(val(src_node.args[0]).shape, val(src_node).shape):
+        src_node = src_node.args[0]  # (the value itself: its NaNs are the copy's)
+    self.witnesses[node] = src_node
+    return self.lanes(node, 1, False, polys, [src], extra)
+
+
+def _unknown_matrix(analysis: "Analysis", matrix: Node) -> str:
+    """Why a matrix's values are not known at compile time (a graph input: a buffer, an argument, or in a
+    backward graph what the forward saved)."""
+    origin = matrix
+    while is_call(origin, *PERMUTES, *SAME) and isinstance(origin.args[0], Node):
+        origin = origin.args[0]
+    if origin.op != "placeholder":
+        return f"the matrix {describe(matrix)} is not a constant the compile can compute, so its lanes cannot be followed"
+    if analysis.kind == "backward" and not origin.name.startswith(("primals", "tangents")):
+        return (f"the matrix {origin.name} is a graph input of the backward (the forward computed and saved it): its "
+                "values are not known in the backward graph, so the lanes it moves cannot be followed")
+    return (f"the matrix {origin.name} is a graph input (a buffer or an argument): its values are not known at "
+            "compile time, so the lanes it moves cannot be followed")
+
+
+def _signed_permutation(matrix: torch.Tensor) -> Union[list, str]:
+    """Per column j of a constant matrix, (i, sign) with ``matrix[i, j] = sign`` its one nonzero entry; or why
+    it is not a signed permutation matrix."""
+    with unset_fake_temporarily(), torch.no_grad():
+        if matrix.is_complex() or matrix.dtype == torch.bool:
+            return f"it is {dtype_name(matrix.dtype)}"
+        nonzero = matrix != 0
+        other = nonzero & (matrix != 1) & (matrix != -1)
+        if bool(other.any()):
+            i, j = (int(v) for v in other.nonzero()[0])
+            return f"[{i}, {j}] is {float(matrix[i, j])!r}, not 0, 1 or -1"
+        for dim, name in ((0, "column"), (1, "row")):
+            counts = nonzero.sum(dim)
+            if bool((counts != 1).any()):
+                k = int((counts != 1).nonzero()[0])
+                return f"{name} {k} has {int(counts[k])} nonzero entries"
+        rows = nonzero.to(torch.uint8).argmax(0)
+        signs = matrix[rows, torch.arange(matrix.shape[1])]
+        return list(zip(rows.tolist(), (int(v) for v in signs.tolist())))
 
 
 def _select(self: _Interpretation, node: Node) -> Any:
@@ -1130,7 +1271,7 @@ _TRANSFERS = {
     aten.roll.default: _roll, aten.index.Tensor: _index, aten.index_select.default: _index,
     aten.index_put.default: _index_put, aten.index_add.default: _index_put,
     aten.view_as_complex.default: _view_as_complex, aten.view_as_real.default: _view_as_real,
-    aten._conj.default: _conj,
+    aten._conj.default: _conj, **{t: _mm for t in LANE_MATMULS},
     **{t: _zeros_like for t in (aten.zeros_like.default, aten.full_like.default, aten.new_zeros.default)},
 }
 _TRANSFER_IDS = {id(t): f for t, f in _TRANSFERS.items()}
@@ -1438,6 +1579,8 @@ class Rotation:
     chain: tuple = ()  # the nodes x goes through, unmixed, before the rotation (other sources to try)
     doubtful: bool = False  # reads [.., 2 * D] -> [.., 2, D] as pairs of halves; it may be two heads
     lead_perm: tuple = ()  # the result is the rotation with its leading dims permuted so
+    witnesses: tuple = ()  # values multiplied by a lane matrix: a NaN or inf in one of their rows is NaN in all
+    # the row's lanes of the result (``0 * inf`` in the matrix product), as eager computes it
 
     @property
     def width(self) -> int:
@@ -1491,6 +1634,9 @@ def classify(interp: _Interpretation, anchor: Node, value: Any, kind: str) -> Un
     n = len(polys)
     if not n or max(len(p) for p in polys) > 2 or all(len(p) < 2 for p in polys):
         return None
+    matrix = _unfollowed_matrix(interp, polys)
+    if matrix is not None:
+        return Refusal(anchor, matrix, "rotary_mul", value.region)
     for p in (p for p in polys if len(p) == 2):  # x's lanes gathered by an index this graph does not know
         for atom in (f[0] for t in p for f in t[3]):  # (one the forward saved)
             if atom in interp.why and is_call(atom, aten.index.Tensor, aten.index_put.default,
@@ -1637,8 +1783,30 @@ def classify(interp: _Interpretation, anchor: Node, value: Any, kind: str) -> Un
     x_dtype = x_rounds[-1] if x_rounds else val(x).dtype
     op_dtype = functools.reduce(torch.promote_types, [x_dtype, r1.dtype, r2.dtype, out_dtype.to_real()])
     complex_form = any(is_call(n, aten.view_as_complex.default) for n in region)
+    witnesses = tuple(dict.fromkeys(src for n, src in interp.witnesses.items() if n in region))
+    for src in witnesses:
+        if val(src).dim() != val(x).dim() or not shape_eq(val(src).shape[:-1], val(x).shape[:-1]):
+            return refuse(f"{src.name} is multiplied by a lane matrix, whose product spreads a NaN or inf of a row "
+                          f"to all its lanes, and its rows {list(val(src).shape[:-1])} are not {x.name}'s", family)
     return Rotation(anchor, x, s_off, s_off + w, o_s, passthrough, form, backward, (r1, r2), x_rounds, op_dtype,
-                    out_dtype, region, [], complex_form, lead_perm=value.perm)
+                    out_dtype, region, [], complex_form, lead_perm=value.perm, witnesses=witnesses)
+
+
+def _unfollowed_matrix(interp: _Interpretation, polys: tuple) -> Optional[str]:
+    """Why x's lanes times a matrix cannot be followed, where the sum reads as ``x * C + (x @ M) * S`` or its
+    adjoint ``x * C + (x * S) @ M`` (a lane of x times a table, plus a product by M of x's lanes with a table on
+    either side): rotation-like, were M a signed permutation. Else None (any other matmul stays silent)."""
+    for j, p in enumerate(polys):
+        if len(p) != 2:
+            continue
+        for own, other in (p, p[::-1]):
+            if own[1] != j or not own[3] or other[1] != NO_X:
+                continue
+            for f in other[3]:
+                found = interp.matrices.get(f[0])
+                if found is not None and (found[1] or len(other[3]) > 1):
+                    return found[0]
+    return None
 
 
 def _unless_saved(kind: str, *terms) -> str:
@@ -1699,7 +1867,11 @@ BSND_LIFT = {4: (), 3: (0,), 2: (0, 2)}
 
 def finish(b, rot: Rotation, source: Node, out: Node) -> Node:
     """The fused op's output as the anchor's value: with the lanes around it copied from x
-    (a partial RoPE), its leading dims permuted as the subgraph's were, in the anchor's shape."""
+    (a partial RoPE), its leading dims permuted as the subgraph's were, in the anchor's shape; NaN in a row
+    where a lane matrix's product made it so (``0 * inf``: x * 0 is 0 where x is finite)."""
+    for src in rot.witnesses:
+        nan = b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, src, 0), [-1], True)
+        out = b.call(aten.add.Tensor, out, b.cast(nan, rot.out_dtype))
     if rot.passthrough:
         head_dim = rot.head_dim
         parts = [b.cast(b.call(aten.slice.Tensor, source, -1, lo, hi), rot.out_dtype)
@@ -1790,16 +1962,20 @@ class Analysis:
             found = self._interpretations[x] = _Interpretation(self, x)
         return found
 
-    def constant(self, node: Node, depth: int = 0) -> Optional[torch.Tensor]:
+    def constant(self, node: Node, depth: int = 0, limit: int = 0) -> Optional[torch.Tensor]:
         """A small tensor's values where they are computed from constants alone (a literal
-        ``torch.tensor([-1., 1.])``, ``cat((-ones(h), ones(h)))``): deterministic aten ops of attributes
-        and factories, run on the CPU; else None."""
+        ``torch.tensor([-1., 1.])``, ``cat((-ones(h), ones(h)))``, ``zeros(d, d)`` with entries put in):
+        deterministic aten ops of attributes and factories, run on the CPU; else None. Small: at most
+        ``limit`` values, by default MAX_LANES, or a lane matrix's (a square one of side MAX_MATRIX at most)."""
         if node in self._constants:
             return self._constants[node]
-        self._constants[node] = None
         v = val(node)
-        if not isinstance(v, torch.Tensor) or v._has_symbolic_sizes_strides or v.numel() > MAX_LANES or \
-                depth > CONSTANT_DEPTH:
+        if isinstance(v, torch.Tensor) and not v._has_symbolic_sizes_strides:
+            limit = limit or (MAX_MATRIX ** 2 if v.dim() == 2 and v.shape[0] == v.shape[1] <= MAX_MATRIX else MAX_LANES)
+            if v.numel() > limit:  # (not kept: a matrix computed from it may ask with a larger limit)
+                return None
+        self._constants[node] = None
+        if not isinstance(v, torch.Tensor) or v._has_symbolic_sizes_strides or depth > CONSTANT_DEPTH:
             return None
         found = None
         if node.op == "get_attr":
@@ -1807,7 +1983,7 @@ class Analysis:
         elif node.op == "call_function" and pure_aten_op(node.target):
             inputs = {}
             for a in node.all_input_nodes:
-                inputs[a] = self.constant(a, depth + 1)
+                inputs[a] = self.constant(a, depth + 1, limit)
                 if inputs[a] is None:
                     return None
             args, kwargs = torch.fx.map_arg((node.args, node.kwargs), inputs.__getitem__)
@@ -1824,13 +2000,14 @@ class Analysis:
         return found
 
     def constant_key(self, node: Node) -> Optional[tuple]:
-        """A constant's dtype and values, hashable (in a signature: its values decide lanes and signs)."""
+        """A constant's dtype and values (their bytes), hashable (in a signature: its values decide lanes and signs;
+        a matrix's are many)."""
         found = self.constant(node)
         if found is None:
             return None
         with unset_fake_temporarily():
-            values = found.reshape(-1).tolist()
-        return found.dtype, tuple(v.hex() if isinstance(v, float) else v for v in values)
+            flat = found.resolve_conj().resolve_neg().reshape(-1).contiguous()
+            return found.dtype, flat.view(torch.uint8).numpy().tobytes()
 
     def signs(self, node: Node) -> Optional[tuple]:
         """A table's values, flat, where every one of them is 1 or -1 (a sign vector in a constant)."""
@@ -2018,7 +2195,9 @@ class Analysis:
             else:
                 inputs: list = []
                 kwargs = _encoded(node.kwargs, inputs) if node.kwargs else ()  # (most have none)
-                found = (node.target, _encoded(node.args, inputs), kwargs, meta), tuple(inputs)
+                matrix = self.constant_key(_shared_matrix(node.args[1])) \
+                    if node.target in LANE_MATMULS and _lane_matrix(node) else None  # (its values decide lanes)
+                found = (node.target, _encoded(node.args, inputs), kwargs, meta, matrix), tuple(inputs)
             self._descriptions[key] = found
         return found
 
@@ -2027,7 +2206,7 @@ class Analysis:
         r = Rotation(**{**template["fields"], "anchor": order[0], "x": order[template["x"]],
                         "tables": _mapped_tables(template["tables"], node),
                         "region": frozenset(map(node, template["region"])), "chain": tuple(map(node, template["chain"])),
-                        "nodes": []})
+                        "witnesses": tuple(map(node, template["witnesses"])), "nodes": []})
         r.nodes = self._rewrite_nodes(r)
         return r
 
@@ -2127,6 +2306,12 @@ class Analysis:
                     if a in region and a not in keep and (a in rotation.chain or a.target in SPLITS):
                         keep.add(a)
                         changed = True
+        stack = [w for w in rotation.witnesses if w in region]
+        while stack:  # a witness the result reads stays, with what it is computed from
+            n = stack.pop()
+            if n not in keep:
+                keep.add(n)
+                stack += [a for a in n.all_input_nodes if a in region]
         nodes = [n for n in region if n is not rotation.anchor and n not in keep]
         return sorted(nodes, key=lambda n: -self.position.get(n, 0))
 
@@ -2182,8 +2367,8 @@ class Analysis:
         return self._decision_at[role].get(anchor)
 
     def _for_role(self, r: Rotation, role: str) -> Optional[Rotation]:
-        if role == "partial":
-            return r if r.passthrough and r.form == INTERLEAVE and not r.backward else None
+        if role == "partial":  # (the in-place op has no result to spread a matrix product's NaNs over)
+            return r if r.passthrough and r.form == INTERLEAVE and not r.backward and not r.witnesses else None
         if role == "interleave":
             return r if r.form in PAIRS_FORMS and not r.passthrough else None
         if r.form in ROTARY_FORMS:
@@ -2249,12 +2434,13 @@ def _template(result: Union[Rotation, Refusal, None], order: list) -> Any:
         return "again"
     index = {n: i for i, n in enumerate(order)}
     atoms = [a for t in result.tables for f in t.factors for seg in f for a in (seg.atom, seg.zipped) if a is not None]
-    if not all(n in index for n in (result.x, *atoms, *result.region, *result.chain)):
+    if not all(n in index for n in (result.x, *atoms, *result.region, *result.chain, *result.witnesses)):
         return "again"
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(Rotation)
-              if f.name not in ("anchor", "x", "tables", "region", "chain", "nodes")}
+              if f.name not in ("anchor", "x", "tables", "region", "chain", "nodes", "witnesses")}
     return {"fields": fields, "x": index[result.x], "tables": _mapped_tables(result.tables, index.__getitem__),
-            "region": [index[n] for n in result.region], "chain": [index[n] for n in result.chain]}
+            "region": [index[n] for n in result.region], "chain": [index[n] for n in result.chain],
+            "witnesses": [index[n] for n in result.witnesses]}
 
 
 def _mapped_tables(tables: tuple, mapped) -> tuple:
