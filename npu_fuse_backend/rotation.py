@@ -69,6 +69,7 @@ MAX_TERMS = 4  # terms per lane: more is not a RoPE
 MAX_LANES = 8192  # lanes of one value
 MAX_MATRIX = 256  # the side of a matrix that may move lanes (``x @ R``): read as a constant of up to 256 * 256 values
 MAX_REGION = 96  # interpreted nodes per anchor
+CONSTANT_DEPTH = 8  # ops between a constant table and the attributes and factories it is computed from
 DEPENDENCE_BUDGET = 256  # nodes visited to prove a table independent of x
 NEAR = 8  # an anchor is at most this many lane ops from a lane move
 HALF, INTERLEAVE, PAIRS_TO_HALF, HALF_TO_PAIRS = "half", "interleave", "pairs_to_half", "half_to_pairs"
@@ -302,8 +303,10 @@ def _shared_matrix(m: Node) -> Optional[Node]:
 
 def _lane_matrix(mm: Node) -> bool:
     """``mm(a, m)`` (or ``bmm`` by one matrix for the batch) by a static [D, D] matrix on a's D lanes (D at most
-    MAX_MATRIX): lanes moved where it is a signed permutation (``x @ R``, rotate_half as a matrix). Shape-only:
-    the interpretation reads the matrix."""
+    MAX_MATRIX): lanes moved where it is a signed permutation (``x @ R``, rotate_half as a matrix). The
+    interpretation reads the matrix; here, its shape, and that it may be a constant or that the product reads
+    as a rotation's (a square projection, its weight a graph input, is no lane move: residual sums after one
+    would be anchors)."""
     a, m = mm.args[:2]
     av = val(a)
     if not isinstance(a, Node) or not isinstance(m, Node) or not isinstance(av, torch.Tensor) or \
@@ -312,7 +315,30 @@ def _lane_matrix(mm: Node) -> bool:
     r = _shared_matrix(m)
     d = static_int(av.shape[-1])
     return r is not None and d is not None and d <= MAX_MATRIX and \
-        static_int(val(r).shape[0]) == d == static_int(val(r).shape[1])
+        static_int(val(r).shape[0]) == d == static_int(val(r).shape[1]) and \
+        (_of_constants(r) or _reads_as_rotation(mm))
+
+
+def _of_constants(node: Node) -> bool:
+    """node is computed from no graph input (attributes and factories alone, at most CONSTANT_DEPTH ops deep)."""
+    seen, stack = {node}, [(node, 0)]
+    while stack:
+        n, depth = stack.pop()
+        if n.op == "placeholder" or depth > CONSTANT_DEPTH:
+            return False
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append((a, depth + 1))
+    return True
+
+
+def _reads_as_rotation(mm: Node) -> bool:
+    """The product is the ``(x @ M) * S`` or the ``(x * S) @ M`` of a rotation: its result (viewed back)
+    multiplied, or its input (viewed flat) a product."""
+    a = mm.args[0].args[0] if is_call(mm.args[0], *VIEWS) else mm.args[0]
+    outs = [v for u in mm.users for v in (u.users if is_call(u, *VIEWS) else (u,))]
+    return is_call(a, aten.mul.Tensor) or any(is_call(u, aten.mul.Tensor) for u in outs)
 
 
 def _matmul_of(view: Node) -> Optional[tuple]:
@@ -324,7 +350,8 @@ def _matmul_of(view: Node) -> Optional[tuple]:
     flat = mm.args[0]
     s = flat.args[0] if is_call(flat, *VIEWS) else None
     sv, v = val(s), val(view)
-    if not isinstance(sv, torch.Tensor) or not isinstance(v, torch.Tensor) or not shape_eq(v.shape, sv.shape):
+    if not isinstance(sv, torch.Tensor) or not isinstance(v, torch.Tensor) or not shape_eq(v.shape, sv.shape) or \
+            not size_eq(val(flat).shape[-1], sv.shape[-1]):
         return None
     return s, _shared_matrix(mm.args[1]), flat, mm
 
@@ -424,7 +451,6 @@ def _permutation(node: Node, nd: int) -> list:
     return [norm_dim(d, nd) for d in node.args[1]]
 
 
-CONSTANT_DEPTH = 8  # ops between a constant table and the attributes and factories it is computed from
 
 
 def _attribute_tensor(node: Node) -> Optional[torch.Tensor]:
@@ -989,7 +1015,7 @@ def _matmul(self: _Interpretation, node: Node, src_node: Node, matrix: Node, ext
     ``matrix[i, j]`` the one nonzero of its column. A matrix of values unknown here, or any other matrix (a
     general linear map), is no lane move; where x's lanes are its input, why is kept for the sum that reads it."""
     src = _lanes_of(self, src_node)
-    if src.k != 1 or src.cplx:
+    if src.k != 1 or src.cplx or len(src.polys) != static_int(val(matrix).shape[0]):
         raise _Opaque(f"{node.name} multiplies lanes of another layout by a matrix")
     if self.analysis.depends(matrix, self.x):
         raise _Opaque(f"{node.name} multiplies {self.x.name} by a matrix computed from it")
