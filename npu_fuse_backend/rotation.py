@@ -1013,7 +1013,8 @@ def _mm(self: _Interpretation, node: Node) -> Any:
 def _matmul(self: _Interpretation, node: Node, src_node: Node, matrix: Node, extra=()) -> Any:
     """``src @ matrix`` with the matrix a constant signed permutation: lane j of the result is ``±src[..., i]``,
     ``matrix[i, j]`` the one nonzero of its column. A matrix of values unknown here, or any other matrix (a
-    general linear map), is no lane move; where x's lanes are its input, why is kept for the sum that reads it."""
+    general linear map), is no lane move: the product is an atom, and where x's lanes (times tables) are its
+    input, one of the region, its reason kept for the rotation-like sum that reads it."""
     src = _lanes_of(self, src_node)
     if src.k != 1 or src.cplx or len(src.polys) != static_int(val(matrix).shape[0]):
         raise _Opaque(f"{node.name} multiplies lanes of another layout by a matrix")
