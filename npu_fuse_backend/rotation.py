@@ -451,8 +451,6 @@ def _permutation(node: Node, nd: int) -> list:
     return [norm_dim(d, nd) for d in node.args[1]]
 
 
-
-
 def _attribute_tensor(node: Node) -> Optional[torch.Tensor]:
     """The real tensor a ``get_attr`` node reads where it is a literal the trace captured
     (``_tensor_constant<N>``, never a module's buffer, which may change); None for a fake one, or none."""
