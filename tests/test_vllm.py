@@ -25,6 +25,10 @@ import vllm_engine  # noqa: E402
 import vllm_ops  # noqa: E402
 from npu_fuse_backend.report import GraphReport  # noqa: E402
 
+# every test here runs vLLM's kernels, in engines or in this process (skipped one by one, so that the
+# run still collects them: a module skipped whole is "no tests", pytest's exit status 5)
+pytestmark = [pytestmark, pytest.mark.skipif(vllm_ops.UNUSABLE is not None, reason=str(vllm_ops.UNUSABLE))]
+
 ENGINE = Path(__file__).with_name("vllm_engine.py")
 
 

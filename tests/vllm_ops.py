@@ -9,13 +9,44 @@ kernel checks and the CPU kernel does not (positions of another length). ``tests
 the stand-in against vLLM's CPU kernel where both exist.
 """
 
+import importlib.util
+import subprocess
+import sys
+from typing import Optional
+
 import torch
 
 SCHEMA = ("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, "
           "Tensor cos_sin_cache, bool is_neox, int rope_dim_offset=0, bool inverse=False) -> ()")
 
 
+def _kernels_unusable() -> Optional[str]:
+    """Why vLLM, installed, cannot load its kernels on this machine; None where it can, or is absent. Tried
+    in a child first: vLLM's CPU build is compiled for AVX-512, and on a CPU without it the import dies of
+    an illegal instruction (SIGILL, no exception to catch) and takes the test run with it."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    probe = subprocess.run([sys.executable, "-c", "import vllm._C"], capture_output=True, text=True)
+    if probe.returncode == 0:
+        return None
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = {w for line in f if line.startswith("flags") for w in line.split()}
+    except OSError:
+        pass
+    why = "an illegal instruction (SIGILL)" if probe.returncode in (-4, 132) else \
+        f"exit status {probe.returncode}: {probe.stderr.strip()[-300:]}"
+    cpu = "" if "avx512f" in flags or not flags else " (this CPU has no AVX-512, which vLLM's CPU build needs)"
+    return f"vLLM is installed but `import vllm._C` fails here with {why}{cpu}"
+
+
+UNUSABLE = _kernels_unusable()
+
+
 def _vllm_loaded() -> bool:
+    if UNUSABLE is not None:
+        return False
     try:
         import vllm._C  # noqa: F401  (registers torch.ops._C.rotary_embedding)
     except ImportError:
