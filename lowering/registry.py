@@ -13,6 +13,10 @@
   every call a fusion inserts (fake arguments), so a rewrite the SoC cannot run is a
   near-miss naming the limit. An unrecognised NPU, and a SoC where the op has no kernel
   (``unavailable_on``), are refused before ``fn`` is asked.
+- ``kernel_size_limits()``: whether an op's checker applies the ranges its NPU kernel takes
+  sizes in (a hidden size of 2048..8192, at most 1024 tokens): true but while translation
+  validation evaluates a rewrite at shrunk sizes (``size_limits_lifted()``), where the same
+  computation runs at other sizes and the call at its real sizes was checked when it was built.
 - ``unavailable_on(op, {soc: why})``: the SoCs where the op has no kernel at all, said once:
   the pass manager refuses the op's fusions there and its converter declares no GE op there
   (``converters/common.declare_ge_ops`` takes the reasons from here).
@@ -26,6 +30,7 @@ touches nothing here; the names in each module's ``__all__`` are its public entr
 points, re-exported as ``npu_fuse.ops``.
 """
 
+import contextlib
 import importlib
 import pkgutil
 from typing import Callable, Optional
@@ -41,6 +46,23 @@ UNAVAILABLE: dict = {}  # op -> {soc: why the op has no kernel there}
 _autograd_guards = torch.library.Library("npu_fuse", "FRAGMENT")
 _npu_kernels: list = []
 _npu_kernels_registered = False
+_size_limits_lifted = 0
+
+
+@contextlib.contextmanager
+def size_limits_lifted():
+    """Ops' checkers skip the size ranges of their NPU kernels (see ``kernel_size_limits``)."""
+    global _size_limits_lifted
+    _size_limits_lifted += 1
+    try:
+        yield
+    finally:
+        _size_limits_lifted -= 1
+
+
+def kernel_size_limits() -> bool:
+    """Whether a checker applies the size ranges only its op's NPU kernel has (not what it computes)."""
+    return not _size_limits_lifted
 
 
 def decomposition(op: torch._ops.OpOverload) -> Callable:

@@ -68,7 +68,10 @@ Otherwise:
    ``[S, S]`` attention map; an MLA's heads and its 128-wide nope dim), each integer argument
    following the dim it names, found by trying; where that fails, per value. A shrink is used
    only if every node, run on meta tensors, gets the shape the shrink predicts, so the shrunk
-   problem is the same program at other sizes; sizes that break that stay real. (A pointwise op's
+   problem is the same program at other sizes; sizes that break that stay real. A fused op's size
+   ranges that only its NPU kernel has (an MLA's hidden size of 2048..8192) are lifted while the
+   validator runs (``registry.size_limits_lifted``): its call at the real sizes was checked when the
+   rewrite was built, and the confirmation below runs each size at its real length. (A pointwise op's
    shape there is its inputs' broadcast, a softmax's or a cast's its input's: their meta kernels,
    Python and slow, are not run.) Symbolic sizes
    are symbols: the shrunk run sets each one to a small value that satisfies every guard of the
@@ -124,6 +127,7 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
 
 from .graph_utils import attribute, describe, draws_random, mutates, uninitialized
+from .lowering.registry import size_limits_lifted
 
 log = logging.getLogger("npu_fuse")
 aten = torch.ops.aten
@@ -233,7 +237,9 @@ def check_rewrite(subgraph: Iterable[Node], outputs: dict, inserted: list, seed:
             tally["equal"] += 1
             tally["equal_by_identical_rewrite"] += 1
             return None
-        with unset_fake_temporarily(), torch.no_grad(), _one_thread():
+        # (an op's NPU size ranges are lifted: the shrunk problems run it at other sizes; the real call was
+        # checked when the rewrite was built)
+        with unset_fake_temporarily(), torch.no_grad(), _one_thread(), size_limits_lifted():
             outcome = validation.run()
             tally["evaluations"] += validation.evaluations
     except OverBudget as why:

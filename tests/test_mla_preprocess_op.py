@@ -160,6 +160,22 @@ def test_each_limit_has_a_clear_error(changes, message):
         run_op(a, kw)
 
 
+def test_the_npu_size_ranges_are_lifted_only_inside_the_validators_context():
+    """The hidden-size and token ranges are the NPU kernel's, not the computation's: translation
+    validation runs the op at shrunk sizes inside ``size_limits_lifted``; everywhere else they hold."""
+    from npu_fuse_backend.lowering.registry import size_limits_lifted
+
+    a, kw = _broken(input=lambda a: a["input"][:, :1024], wdqkv=lambda a: a["wdqkv"][:, :1024],
+                    gamma0=lambda a: a["gamma0"][:1024], beta0=lambda a: a["beta0"][:1024])
+    with size_limits_lifted():
+        q0 = run_op(a, kw)[0]
+    assert q0.shape[0] == 4 and torch.isfinite(q0.float()).all()
+    with pytest.raises(ValueError, match="hidden size must be 7168 or in 2048..8192, got 1024"):
+        run_op(a, kw)  # (the context restored the check)
+    with size_limits_lifted(), pytest.raises(ValueError, match="wdqkv must be \\[2112, 1024\\]"):
+        run_op({**a, "wdqkv": a["wdqkv"][:2000]}, kw)  # what the computation needs stays checked
+
+
 def test_token_limit_and_nz_block_size():
     a, kw = make_inputs(tokens=4, cache_mode=3)
     a["kv_cache"] = torch.zeros(4, 64, 1, 512, dtype=torch.bfloat16)

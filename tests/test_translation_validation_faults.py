@@ -235,6 +235,34 @@ def test_index_copy_writes_draw_no_repeated_slots_as_their_order_is_undefined(mo
     assert "repeated indices" not in seen and any(p.startswith("out-of-range index (too large") for p in seen)
 
 
+def test_a_kernel_wrong_only_past_the_shrunk_hidden_size_is_refused(monkeypatch):
+    """The hidden size shrinks (its NPU range lifted while validating), so the confirmation at its
+    real length is what finds a projection that drops the input's last lanes."""
+    def short_projection(right, a):
+        if a["input"].shape[1] > 1000:
+            a = {**a, "input": torch.cat([a["input"][:, :1000], a["input"][:, 1000:] * 0], dim=1)}
+        return right(a)
+
+    faulty(monkeypatch, mla_op, "mla_preprocess_stages", short_projection)
+    mla_refused(MLAConfig(), "magnitudes")
+
+
+def test_the_mla_hidden_size_is_shrunk_and_confirmed_at_its_real_length(monkeypatch):
+    hidden = MLAConfig().hidden
+    seen = []
+    compare = validate._Validation._compare
+
+    def recording(self, problem):
+        seen.append({size.real: n for size, n in problem.lengths.items()})
+        return compare(self, problem)
+
+    monkeypatch.setattr(validate._Validation, "_compare", recording)
+    out, cache, reports = mla_step(MLAConfig(), compile_=True)
+    assert fused_ops(reports) == ["mla_preprocess"] and set(tally()) == {"equal"}
+    assert seen[0].get(hidden, hidden) < 16  # the shrunk problem's weights are read at a small hidden size
+    assert any(lengths.get(hidden) == hidden for lengths in seen[1:])  # and once at the real one
+
+
 SERVING = MLAConfig(block_size=128, num_blocks=920)  # a cache of 920 * 128 * 576 = 67.8M elements (> 64M)
 
 
