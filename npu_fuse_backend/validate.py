@@ -27,9 +27,15 @@ recomputation of checkpointed code does) is a recorded generator state, never ra
   2^-6 .. 2^12); a one-element input (a scale, a temperature) is (1 + |u|) 2^7 (float16: 2^4).
   An input of more than 2^20 elements (a weight: the op fixes its sizes, so it never shrinks)
   stays uniform: scaling a weight's output features apart would make the next contraction
-  ill-conditioned rather than test large values. An element that eager itself overflows on is
-  not compared; an element eager computes finite must be finite and within tolerance in the
-  replacement. Large values still make some subgraphs ill-conditioned (``p * (g - sum(g * p))``
+  ill-conditioned rather than test large values. An element eager computes finite must be finite
+  and within tolerance in the replacement. Where eager overflows on this probe although it is
+  finite on ``uniform`` (an fp16 MLA: three contractions of scaled inputs), the probe is at the
+  dtype's edge, where a correct kernel that rounds an intermediate once overflows where eager,
+  rounding twice, does not: the elements both sides compute finite are compared there (where the
+  precise run below fits: near overflow eager is ill-conditioned), then the probe is drawn again
+  with its levels' exponents times 3/4 (``_lowered``: 2^12, 2^9, 2^6...) until eager is finite,
+  and that draw is compared by the rule above (if even 2^1 overflows, the elements eager overflows
+  on are not compared). Large values still make some subgraphs ill-conditioned (``p * (g - sum(g * p))``
   with |p| > 1 loses digits to cancellation, in eager as in any kernel), so this probe also
   allows 2^-12 of the row's rms (a faulty kernel is off by far more) and four times eager's own
   error (the largest in the element's last-dim row) measured against the subgraph run in float64
@@ -363,6 +369,8 @@ class _Validation:
         self.outputs = outputs
         self.seed = seed
         self.evaluations = 0
+        self.overflow_free = True  # eager's outputs are finite on uniform inputs: a non-finite one on the
+        # magnitudes probe is an overflow (the probe's values lowered), not what the subgraph computes
         for node in [*self.original, *self.inserted]:  # (a mutating op runs on clones of what it writes)
             target = node.target
             known = _REFUSED_TARGETS.get(id(target)) if node.op == "call_function" else None
@@ -520,17 +528,50 @@ class _Validation:
             else:
                 uniform = None  # (the float inputs change from here on)
                 original = self._side(self.original, values, problem)
-            replacement = self._side(self.inserted, values, problem,
-                                     fallback=original if isinstance(original, dict) else None)
-            reason = self._verdict(probe, problem, original, replacement)
-            if reason and probe == "magnitudes" and problem.precise and isinstance(original, dict) \
-                    and isinstance(replacement, dict):  # (eager's own error only ever allows more: measured
-                exact = self._side(self.original, values, problem, precise=True)  # where the verdict needs it)
-                reason = self._verdict(probe, problem, original, replacement, exact if isinstance(exact, dict) else None)
+            if probe == "uniform" and isinstance(original, dict):
+                self.overflow_free = self.overflow_free and self._outputs_finite(original)
+            if probe == "magnitudes" and self.overflow_free and isinstance(original, dict) \
+                    and not self._outputs_finite(original):
+                # eager overflows: the probe is at the dtype's range. Near the largest finite value a correct
+                # kernel overflows where eager does not (it rounds an intermediate once where eager rounds
+                # twice, to either side of it), so here only what both sides compute finite is compared, and
+                # the probe is drawn again, lower, until eager does not overflow: there the rule is strict
+                reason = self._judge(probe, problem, values, original, overflowed=True) if problem.precise else None
+                if reason:
+                    return reason
+                while not self._outputs_finite(original) and draws.lower_magnitudes():
+                    self.evaluations += 1
+                    values = draws.redraw(probe)
+                    original = self._side(self.original, values, problem)
+                    if not isinstance(original, dict):
+                        break
+            reason = self._judge(probe, problem, values, original, lowered=draws.lowered)
             if reason:
                 return reason
-            values = original = replacement = exact = None  # (freed before the next probe is drawn)
+            values = original = None  # (freed before the next probe is drawn)
         return None
+
+    def _judge(self, probe: str, problem: "_Problem", values: dict, original, lowered: int = 0,
+               overflowed: bool = False) -> Optional[str]:
+        """The replacement run on the probe's values and compared with eager's outputs: a refusal or None."""
+        replacement = self._side(self.inserted, values, problem,
+                                 fallback=original if isinstance(original, dict) else None)
+        reason = self._verdict(probe, problem, original, replacement, lowered=lowered, overflowed=overflowed)
+        if reason and probe == "magnitudes" and problem.precise and isinstance(original, dict) \
+                and isinstance(replacement, dict):  # (eager's own error only ever allows more: measured
+            exact = self._side(self.original, values, problem, precise=True)  # where the verdict needs it)
+            reason = self._verdict(probe, problem, original, replacement, exact if isinstance(exact, dict) else None,
+                                   lowered=lowered, overflowed=overflowed)
+        return reason
+
+    def _outputs_finite(self, values: dict) -> bool:
+        """Every element of every output the replacement takes over is finite (in a list's tensors too)."""
+        def finite(value) -> bool:
+            if isinstance(value, (tuple, list)):
+                return all(finite(v) for v in value)
+            return not isinstance(value, torch.Tensor) or not (value.is_floating_point() or value.is_complex()) \
+                or _all_finite(torch.view_as_real(value) if value.is_complex() else value)
+        return all(finite(values[old]) for old in self.outputs)
 
     def _side(self, nodes: list, values: dict, problem: "_Problem", fallback=None, precise: bool = False,
               record: Optional[dict] = None, reuse: Optional[dict] = None):
@@ -557,8 +598,15 @@ class _Validation:
             record.update({n: result[n] for n in record})
         return result
 
-    def _verdict(self, probe: str, problem: "_Problem", original, replacement, exact=None) -> Optional[str]:
+    def _verdict(self, probe: str, problem: "_Problem", original, replacement, exact=None, lowered: int = 0,
+                 overflowed: bool = False) -> Optional[str]:
+        """A refusal, or None. ``lowered``: the magnitudes probe was drawn lower that many times;
+        ``overflowed``: eager overflows on these inputs, only the elements both sides compute finite count."""
         where = f"{probe} inputs{problem.where}"
+        if lowered:
+            where += f", its levels lowered {lowered}x (eager overflows at the full ones)"
+        elif overflowed:
+            where += ", where both sides are finite (eager overflows on some)"
         if isinstance(original, Raised):
             if isinstance(replacement, Raised):
                 if not probe.startswith("out-of-range"):
@@ -570,7 +618,8 @@ class _Validation:
             return (f"replacement differs from the subgraph: the replacement raises ({replacement}) on {where} "
                     f"where the subgraph does not")
         for old, new in self.outputs.items():
-            difference = _difference(original[old], replacement[new], probe, exact.get(old) if exact else None)
+            difference = _difference(original[old], replacement[new], probe, exact.get(old) if exact else None,
+                                     overflowed)
             if difference:
                 return f"replacement differs from the subgraph: output {old.name} {difference} ({where})"
         return None
@@ -1423,6 +1472,7 @@ class _Draws:
         self.v = validation
         self.problem = problem
         self._undo: list = []  # how to turn the inputs back into the uniform draw after a probe
+        self.lowered = 0  # how often the magnitudes probe was drawn lower (see lower_magnitudes)
 
     def bound(self, use: _IndexUse) -> int:
         return self.problem.shapes[use.indexed][use.dim]
@@ -1446,6 +1496,20 @@ class _Draws:
                                 {**values, leaf: wrong}
             else:
                 yield probe, self._draw_all(probe)
+
+    def lower_magnitudes(self) -> bool:
+        """Lower the magnitudes probe's levels (see :func:`_lowered`), for a problem where eager overflows
+        at the dtype's range; False once the largest is 2^1."""
+        dtypes = {value.dtype.to_real() for value in (leaf.meta.get("val") for leaf in self.v.leaves)
+                  if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())}
+        if all(_lowered(MAGNITUDES.get(d, MAGNITUDES_DEFAULT), self.lowered)[-1] <= 2 for d in dtypes):
+            return False
+        self.lowered += 1
+        return True
+
+    def redraw(self, probe: str) -> dict:
+        self.restore()
+        return self._draw_all(probe)
 
     def restore(self) -> None:
         """The uniform values back in the inputs a probe changed in place (the next probe, and the next
@@ -1505,7 +1569,7 @@ class _Draws:
             drawn = self._base[leaf][1]
             real = torch.view_as_real(drawn) if dtype.is_complex else drawn
             if probe == "magnitudes" and real.numel() <= SCALED_UP_TO:  # in place, by powers of two: undone exactly
-                self._undo.append(_scale_rows(real, dtype, position))
+                self._undo.append(_scale_rows(real, dtype, position, self.lowered))
             elif probe in PLANTED:
                 self._undo.append(_plant(real, PLANTED[probe], g))
             return drawn
@@ -1564,13 +1628,20 @@ def _periodic(numel: int, dtype: torch.dtype, device, g: torch.Generator) -> tor
     return block.repeat(-(-numel // PERIOD))[:numel]
 
 
-def _scale_rows(values: torch.Tensor, dtype: torch.dtype, position: int):
+def _lowered(levels: tuple, times: int) -> tuple:
+    """The levels above 2 with their exponents times 3/4, ``times`` times (float16's 2^12: 2^9, 2^6, 2^4...)."""
+    for _ in range(times):
+        levels = tuple(2.0 ** max(1, int(math.log2(level) * 3 / 4)) if level > 2 else level for level in levels)
+    return levels
+
+
+def _scale_rows(values: torch.Tensor, dtype: torch.dtype, position: int, lowered: int = 0):
     """Blocks of the input times powers of two that change from block to block (in place); returns
     how to undo it. A block is a slice along the outermost dims (enough of them for every level to
     appear), so the rows an op reduces or contracts over (a last-dim row, a weight's rows for one
     output feature or one head) keep one magnitude: mixing magnitudes inside a reduction would make
     the problem ill-conditioned rather than test large values. A 1-D input scales element by element."""
-    levels = MAGNITUDES.get(dtype, MAGNITUDES_DEFAULT)
+    levels = _lowered(MAGNITUDES.get(dtype, MAGNITUDES_DEFAULT), lowered)
     if values.numel() <= 1:  # a scale, a temperature: positive and well above 1
         saved = values.clone()
         values.abs_().add_(1).mul_(levels[2])
@@ -1796,15 +1867,17 @@ def _remapped(tree: Any, values: dict) -> Any:
 
 
 # -- comparing ---------------------------------------------------------------------------------
-def _difference(expected: Any, got: Any, probe: str = "uniform", exact: Any = None) -> Optional[str]:
+def _difference(expected: Any, got: Any, probe: str = "uniform", exact: Any = None,
+                overflowed: bool = False) -> Optional[str]:
     """How got differs from expected (None: equal within the dtype's tolerance); ``exact``, where
-    given, is the subgraph's value in float64: twice eager's own error is allowed on top."""
+    given, is the subgraph's value in float64: twice eager's own error is allowed on top.
+    ``overflowed``: only the elements finite on both sides are compared."""
     if isinstance(expected, (tuple, list)):
         if not isinstance(got, (tuple, list)) or len(got) != len(expected):
             return f"is a sequence of {len(expected)}, the replacement gives {type(got).__name__}"
         for i, (e, g) in enumerate(zip(expected, got)):
             x = exact[i] if isinstance(exact, (tuple, list)) and len(exact) == len(expected) else None
-            difference = _difference(e, g, probe, x)
+            difference = _difference(e, g, probe, x, overflowed)
             if difference:
                 return f"[{i}] {difference}"
         return None
@@ -1835,6 +1908,10 @@ def _difference(expected: Any, got: Any, probe: str = "uniform", exact: Any = No
     if _same_bits(expected, got):  # equal NaNs too
         return None
     e_finite, g_finite = torch.isfinite(expected), torch.isfinite(got)
+    if overflowed:  # (exact, the subgraph in a wider dtype, is finite where eager is)
+        both = e_finite & g_finite
+        exact = torch.where(both, exact, 0) if isinstance(exact, torch.Tensor) and exact.shape == both.shape else None
+        return _beyond_tolerance(torch.where(both, expected, 0), torch.where(both, got, 0), probe, exact, finite=True)
     lost = int((e_finite & ~g_finite).sum())
     if lost:
         return f"is finite at {lost} of {expected.numel()} elements where the replacement is not"

@@ -162,12 +162,12 @@ def test_the_right_kernel_is_accepted_on_large_inputs(monkeypatch):
 
 
 # -- repeated indices and serving-sized caches (MLA) --------------------------------------------------
-def mla_step(cfg: MLAConfig, tokens: int = 4, compile_=False, **patches):
+def mla_step(cfg: MLAConfig, tokens: int = 4, compile_=False, dtype=torch.bfloat16, **patches):
     """One decode step of DeepSeekMLA: (output, cache, reports)."""
     torch.manual_seed(0)
-    model = DeepSeekMLA(cfg).to(torch.bfloat16).eval()
-    cache = torch.zeros(cfg.num_blocks, cfg.block_size, 1, cfg.kv_lora + cfg.rope, dtype=torch.bfloat16)
-    x, cos, sin, slots, ctx = mla_decode_inputs(cfg, tokens, 1)
+    model = DeepSeekMLA(cfg).to(dtype).eval()
+    cache = torch.zeros(cfg.num_blocks, cfg.block_size, 1, cfg.kv_lora + cfg.rope, dtype=dtype)
+    x, cos, sin, slots, ctx = mla_decode_inputs(cfg, tokens, 1, dtype)
     nf.clear_reports()
     torch._dynamo.reset()
     fn = torch.compile(model, backend="npu_fuse") if compile_ else model
@@ -291,4 +291,78 @@ def test_the_right_kernel_is_validated_past_64m_cache_elements_without_copying_t
     assert caches and all(shape[0] * shape[1] <= whole // 8 for shape in caches)  # never the whole cache
     assert any(shape[0] == SERVING.num_blocks for shape in caches)  # every block index at its real place,
     assert any(shape[1] == SERVING.block_size for shape in caches)  # and every slot of a block, in turn
+    assert relative_error(out, eager) < 0.01 and relative_error(cache, eager_cache) < 0.01
+
+
+# -- near the float16 range -----------------------------------------------------------------------------
+def lowerings(monkeypatch) -> list:
+    """Filled with the magnitudes probe's lowerings as validation draws them (see _Draws.lower_magnitudes)."""
+    seen = []
+    lower = validate._Draws.lower_magnitudes
+
+    def recording(self):
+        lowered = lower(self)
+        if lowered:
+            seen.append(self.lowered)
+        return lowered
+
+    monkeypatch.setattr(validate._Draws, "lower_magnitudes", recording)
+    return seen
+
+
+def fp16_rope_args():
+    """float16 RoPE: on the magnitudes probe (up to 2^12 in q and in the tables) eager's q * cos overflows."""
+    return tuple(t.half() for t in rope_args())
+
+
+def test_a_right_float16_kernel_is_accepted_where_eager_overflows_on_the_magnitudes_probe(monkeypatch):
+    """Near 65504 a kernel that rounds once overflows where eager, rounding twice, does not (and the
+    other way round): the probe is drawn lower until eager is finite, and compared strictly there."""
+    seen = lowerings(monkeypatch)
+    args = fp16_rope_args()
+    out, reports = compile_fused(rope, *args)
+    assert fused_ops(reports) == ["rotary_mul"], near_miss_reasons(reports)
+    assert seen and set(tally()) == {"equal"}
+    assert_close(out, rope(*args), torch.float16)
+
+
+def overflowing_at(limit: float):
+    """An intermediate of a quarter of float16's range (its values times 4) overflows: inf past ``limit``."""
+    def wrong(right, x, r1, r2, mode="half"):
+        out = right(x, r1, r2, mode)
+        return torch.where(out.abs() > limit, out * float("inf"), out)
+
+    return wrong
+
+
+FLOAT16_FAULTS = {  # the fault, and where the probe finds it
+    "wrong only where |x| > 1": (RoPE_FAULTS["wrong only where |x| > 1"], "magnitudes inputs"),
+    "clamping the tables to [-1, 1]": (RoPE_FAULTS["clamping the tables to [-1, 1] (assumes plain cos/sin; "
+                                                   "YaRN/NTK tables are scaled)"], "magnitudes inputs"),
+    "wrong only where |x| > 1000": (lambda right, x, r1, r2, mode="half": torch.where(
+        x.abs() > 1000, right(x, r1, r2, mode) * 1.01, right(x, r1, r2, mode)), "where both sides are finite"),
+    # not compared where it overflows at the full levels, found where eager is finite on the lower ones
+    "overflowing past 16384": (overflowing_at(16384.0), "lowered"),
+}
+
+
+@pytest.mark.parametrize("fault", FLOAT16_FAULTS)
+def test_a_float16_kernel_wrong_for_large_values_is_refused_where_eager_overflows(monkeypatch, fault):
+    wrong, found = FLOAT16_FAULTS[fault]
+    faulty(monkeypatch, rope_op, "rotary_mul_reference", wrong)
+    args = tuple(t.clamp(-1, 1) for t in fp16_rope_args())
+    out, reports = compile_fused(rope, *args)
+    assert fused_ops(reports) == []
+    (reason,) = [r for r in near_miss_reasons(reports) if r.startswith(DIFFERS)]
+    assert "(magnitudes inputs" in reason and found in reason, reason
+    assert torch.equal(out, rope(*args))
+
+
+def test_a_float16_mla_step_fuses_though_its_projections_overflow_on_the_magnitudes_probe(monkeypatch):
+    """Three contractions of scaled inputs reach float16's range (hidden 2048: already at 2^6)."""
+    seen = lowerings(monkeypatch)
+    eager, eager_cache, _ = mla_step(MLAConfig(), dtype=torch.float16)
+    out, cache, reports = mla_step(MLAConfig(), compile_=True, dtype=torch.float16)
+    assert fused_ops(reports) == ["mla_preprocess"], near_miss_reasons(reports)
+    assert seen and set(tally()) == {"equal"}
     assert relative_error(out, eager) < 0.01 and relative_error(cache, eager_cache) < 0.01
