@@ -147,6 +147,26 @@ def test_training_style_code_is_a_near_miss_naming_the_missing_stage_and_still_f
     assert relative_error(outs[0], eager[0]) < 0.01
 
 
+def test_autocast_over_a_float32_model_is_a_near_miss_naming_the_cast_and_stays_exact():
+    """autocast runs the projections and the absorption in bf16 but keeps the norms' weights, the RoPE
+    tables and the cache float32: the absorbed q_nope is cast back to float32 before its cat, which
+    the op (outputs in its input's dtype, a bf16 cache) cannot do."""
+    cfg = MLAConfig()
+    torch.manual_seed(0)
+    model = DeepSeekMLA(cfg).eval()
+    x, cos, sin, slots, ctx = mla_decode_inputs(cfg, 4, 0, torch.float32)
+    caches = [torch.zeros(cfg.num_blocks, cfg.block_size, 1, 576) for _ in range(2)]
+    nf.clear_reports()
+    torch._dynamo.reset()
+    with nf.config.patch(fallback="aot_eager"), torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        eager = model(x, cos, sin, slots, caches[0], ctx)
+        out = torch.compile(model, backend="npu_fuse")(x, cos, sin, slots, caches[1], ctx)
+    reports = nf.get_reports()
+    assert "mla_preprocess" not in fused_ops(reports)
+    assert any("stage 8: the absorbed q_nope (bfloat16) is cast to float32" in r for r in near_miss_reasons(reports))
+    assert torch.equal(out, eager) and torch.equal(caches[1], caches[0])
+
+
 @pytest.mark.parametrize("how", ["index_copy_", "scatter_"])
 def test_other_cache_write_forms(how):
     cfg = MLAConfig()

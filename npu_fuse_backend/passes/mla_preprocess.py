@@ -469,6 +469,11 @@ class MlaPreprocessFusion(FusionPass):
             if not (is_call(q_out, aten.cat.default) and len(q_out.args[0]) == 2 and q_out.args[0][1] is q_rope_add):
                 continue
             back = q_out.args[0][0]
+            cast = uncast(back)
+            if cast.casts and swaps_01(cast.node) and is_call(cast.node.args[0], aten.bmm.default):
+                raise NotFused(f"stage 8: the absorbed q_nope ({dtype_name(val(cast.node).dtype)}) is cast to "
+                               f"{dtype_name(val(back).dtype)} before its cat with q_rope (autocast over a "
+                               f"{dtype_name(val(back).dtype)} model?); the op's outputs are in its input's dtype")
             if not swaps_01(back):
                 continue
             bmm = back.args[0]
