@@ -1,5 +1,7 @@
 """The ``npu_fuse`` Dynamo backend: AOTAutograd, the fusion passes, then a lowering.
 
+The Python floats that ``dynamic=True`` makes graph inputs are specialized first (``float_inputs``).
+
 Config is captured at compile time: the config in force when a frame is first compiled
 governs every graph of it, the forward, the backward AOTAutograd compiles lazily at the first
 ``.backward()`` (outside any ``config.patch`` block the forward ran in), and the recompiles
@@ -15,7 +17,7 @@ from torch.fx import GraphModule
 
 from npu_fuse_backend.lowering import fallback, npu, npugraph_ex
 
-from . import config
+from . import config, float_inputs
 from .fusion import FusionSettings, PassManager, check_config
 from .report import GraphReport, clear_reports, drain_cached_reports
 
@@ -57,6 +59,7 @@ def reset() -> None:
     frame ids start again)."""
     clear_reports()
     _frame_configs.clear()
+    float_inputs.reset()
 
 
 def under_config(snapshot: dict, graph_pass: Callable) -> Callable:
@@ -83,6 +86,7 @@ def npu_fuse_backend(gm: GraphModule, example_inputs, *, mode: Optional[str] = N
     """
     snapshot = captured_config()
     with config.patch(snapshot):
+        float_inputs.specialize_floats(gm)
         graph_pass = under_config(snapshot, run_fusion_passes)
         use_npu = config.lowering == "npu" or (config.lowering == "auto" and npu.npu_usable(example_inputs))
         if use_npu and mode == npugraph_ex.LOWERING:
@@ -146,6 +150,7 @@ def _route_backend(name: str, compile_with: Callable, compiler_config, custom_de
     def backend(gm: GraphModule, example_inputs, *, mode: Optional[str] = None, options: Optional[dict] = None):
         snapshot = captured_config()
         with config.patch(snapshot):
+            float_inputs.specialize_floats(gm)
             return compile_with(gm, example_inputs, under_config(snapshot, run_fusion_passes),
                                 compiler_config=compiler_config, custom_decompositions=custom_decompositions,
                                 mode=mode, options=options)

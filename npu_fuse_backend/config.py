@@ -64,6 +64,10 @@ translation_validation: bool = True
 # evaluation; validate.py), with a warning and a mark in its report. Off: such a rewrite is refused.
 keep_unvalidated_rewrites: bool = False
 
+# Specialize the Python floats that dynamic=True passes as graph inputs (an RMSNorm's self.eps):
+# guarded constants, until one changes between compiles of a frame (float_inputs.py). A fused
+# op's epsilon or scale must be a constant.
+specialize_floats: bool = True
 # Keep at most this many per-graph reports for get_reports() (oldest dropped).
 max_reports: int = 256
 
@@ -79,7 +83,7 @@ def validate() -> None:
     config = sys.modules[__name__]
     require_one_of("fallback", config.fallback, ("inductor", "aot_eager"))
     require_one_of("lowering", config.lowering, ("auto", "npu", "fallback"))
-    for name in ("strict", "translation_validation", "keep_unvalidated_rewrites"):
+    for name in ("strict", "translation_validation", "keep_unvalidated_rewrites", "specialize_floats"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"{knob(name, getattr(config, name))}: must be True or False")
     if isinstance(config.max_reports, bool) or not isinstance(config.max_reports, int) \

@@ -70,6 +70,20 @@ def test_dynamic_token_counts():
     assert relative_error(cache_c, cache_e) < 0.01
 
 
+def test_dynamic_true_fuses_for_every_token_count():
+    """dynamic=True passes the RMSNorms' eps as graph inputs: specialized (float_inputs.py). (Step 0's
+    context of length 1 is a size-1 dim, which dynamic=True specializes: steps 1 and 2 share a graph.)"""
+    model, cfg = build(False)
+    tokens = [4, 3, 5]
+    eager_outs, eager_cache, _ = decode(model, cfg, steps=3, tokens=tokens)
+    outs, cache, reports = decode(model, cfg, steps=3, tokens=tokens, compile_=True, dynamic=True)
+    assert len(reports) == 2 and fused_ops(reports) == ["mla_preprocess"] * 2
+    assert not near_miss_reasons(reports)
+    for got, expected in zip(outs, eager_outs):
+        assert relative_error(got, expected) < 0.01
+    assert relative_error(cache, eager_cache) < 0.01
+
+
 @pytest.mark.parametrize("soc, heads, reason", [
     ("Ascend910B", 16, None),
     ("Ascend910_93", 32, None),

@@ -40,6 +40,7 @@ import torch
 from torch.fx import Node
 
 from .. import rotation
+from ..float_inputs import RUNTIME_FLOAT
 from ..fusion import FakeValues, FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, check_op_args, \
     register_fusion
 from ..graph_utils import VIEWS, aten, dtype_name, is_call, rank, shape_eq, static_int, users_outside, val
@@ -354,8 +355,7 @@ class MlaPreprocessFusion(FusionPass):
         nodes += [*kv_nodes, *ctkv.nodes, ctkv_out, *k_rope.nodes, *cache_write.nodes, *absorbed.nodes]
         eps = {norm1.eps, ctkv.eps} | ({norm0.eps} if norm0 else set())
         if not all(isinstance(e, float) for e in eps):
-            raise NotFused("an RMSNorm eps is a runtime value (dynamic=True turns float attributes into inputs; "
-                           "mark only the token dim dynamic); the op needs a constant")
+            raise NotFused(f"an RMSNorm eps is a runtime value ({RUNTIME_FLOAT}); the op needs a constant")
         if len(eps) != 1:
             raise NotFused(f"the RMSNorms use different eps {sorted(eps)}; the op has one")
         q_out = absorbed.q_out

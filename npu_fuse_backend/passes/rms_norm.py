@@ -40,6 +40,7 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
+from ..float_inputs import RUNTIME_FLOAT
 from ..fusion import FusionPass, GraphBuilder, NotFused, PassContext, Rewrite, register_fusion
 from ..graph_utils import aten, describe, dtype_name, shape_eq, size_eq, static_int, users_outside, val
 from ..matchers import RmsCore, binary_operands, match_rms_core, uncast, widens
@@ -78,8 +79,7 @@ class RmsNormFusion(FusionPass):
             return None
         if not isinstance(core.eps, (int, float)) or isinstance(core.eps, bool):
             raise NotFused(f"epsilon {describe(core.eps) if isinstance(core.eps, Node) else repr(core.eps)} is a "
-                           "runtime value (dynamic=True makes a float attribute a graph input; "
-                           "torch._dynamo.config.specialize_float=True keeps it a constant); the op needs a constant")
+                           f"runtime value ({RUNTIME_FLOAT}); the op needs a constant")
         chain = self._chain(ctx, anchor, core)
         try:
             return self._rewrite(ctx, anchor, core, chain)
