@@ -3,13 +3,13 @@
 With ``dynamic=True`` Dynamo does not specialize a Python float: a module's ``self.eps`` (an
 RMSNorm's epsilon) or a float argument reaches the graph as a 0-d float64 input. A fused op's
 attributes (an epsilon, a scale) are compile-time constants, so such a graph could not fuse.
-:func:`specialize_floats` asks Dynamo to specialize each such float the way it does a float it
-cannot keep symbolic (``TensorifyState``, then a restart of the frame's analysis): the restarted
-trace has the value as a constant, guarded, so a call with another value recompiles. The request
-is withdrawn when the frame's compile ends, so a float whose value changes between two compiles
-of one frame stays an input from then on: at most one extra compile for a float that varies, as
-``dynamic=None``'s automatic dynamic does. The cost: Dynamo traces such a frame twice (AOTAutograd
-and the lowering run once).
+:func:`specialize_floats` specializes each such float as Dynamo does one it cannot keep symbolic:
+a guard on its source (``guard_scalar``), its value a constant of the graph (the input stays, unused:
+the call's signature is Dynamo's), and the symbol marked specialized in Dynamo's ``TensorifyState``,
+so that AOTAutograd's tensorify pass does not restart the trace. A call with another value
+recompiles. The mark is withdrawn when the frame's compile ends, so a float whose value changes
+between two compiles of one frame stays an input from then on: at most one extra compile for a
+float that varies, as ``dynamic=None``'s automatic dynamic does.
 """
 
 import logging
@@ -29,7 +29,7 @@ RUNTIME_FLOAT = ("a tensor, or a Python float that dynamic=True passes as a grap
                  "or it is 0, NaN or infinite")
 VARIES = object()  # a float seen at two values in one frame's compiles: never specialized again
 _seen: dict = {}  # (Dynamo frame id, the float's source) -> the value it was specialized at, or VARIES
-_requested: set = set()  # the symbols (``zf0``...) we asked Dynamo to specialize in the frame compiling now
+_requested: set = set()  # the symbols (``zf0``...) we specialized in the frame compiling now
 
 
 class SpecializationError(RuntimeError):
@@ -43,35 +43,32 @@ def reset() -> None:
 
 
 def specialize_floats(gm: GraphModule) -> None:
-    """Called with each Dynamo graph before it is compiled: raises Dynamo's restart when a float of
-    ``gm`` should be specialized. Any internal error leaves the floats inputs, with a warning
-    (``config.strict``: raised)."""
+    """Called with each Dynamo graph before it is compiled: its floats made guarded constants, in
+    place. Any internal error leaves them inputs, with a warning (``config.strict``: raised)."""
+    if not config.specialize_floats:
+        return
     try:
-        restart = _request(gm) if config.specialize_floats else None
+        _specialize(gm)
     except Exception as exc:
         message = f"npu_fuse: specializing the graph's float inputs failed and left them inputs: {exc!r}"
         if config.strict:
             raise SpecializationError(message) from exc
         warnings.warn(message, RuntimeWarning, stacklevel=3)
-        return
-    if restart is not None:
-        raise restart
 
 
-def _request(gm: GraphModule):
-    """The restart to raise (the floats to specialize requested), or None."""
-    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+def _specialize(gm: GraphModule) -> None:
     from torch._dynamo.symbolic_convert import TensorifyState
+    from torch.fx.experimental.symbolic_shapes import guard_scalar
 
     frame = getattr(torch._guards.CompileContext.current_compile_id(), "frame_id", None)
     if frame is None:
-        return None
-    wanted = []
+        return
+    chosen = []
     for node in gm.graph.nodes:
         found = _python_float(node) if node.op == "placeholder" else None
-        if found is None or found[0] in _requested:  # (requested and still an input: left one, never a loop)
+        if found is None:
             continue
-        symbol, value, source = found
+        memo, value, source = found
         key = (frame, source)
         seen = _seen.get(key, value)
         if seen is VARIES or seen != value:
@@ -79,16 +76,21 @@ def _request(gm: GraphModule):
                 log.info("npu_fuse: float %s changed (%s, then %s): it stays a graph input", source, seen, value)
             _seen[key] = VARIES
             continue
-        _seen[key] = value
-        wanted.append(symbol)
-        log.info("npu_fuse: float %s = %r specialized (guarded): Dynamo traces the frame again", source, value)
-    if not wanted:
-        return None
+        chosen.append((node, memo, source))
+    if not chosen:
+        return
     _withdraw_when_compiled()
-    for symbol in wanted:
-        TensorifyState.specialize(symbol)
-        _requested.add(symbol)
-    return TensorifyScalarRestartAnalysis()
+    for node, memo, source in chosen:
+        value = guard_scalar(memo)  # (Dynamo's guard on the float's source, as its own specialization adds)
+        _seen[(frame, source)] = value
+        name = memo.node._expr.name
+        TensorifyState.specialize(name)  # (so that AOTAutograd's tensorify pass does not restart the trace)
+        _requested.add(name)
+        for item in list(node.users):
+            item.replace_all_uses_with(value)
+            gm.graph.erase_node(item)
+        log.info("npu_fuse: float %s = %r made a constant of the graph (guarded)", source, value)
+    gm.recompile()
 
 
 def _withdraw(_args=None) -> None:
@@ -108,20 +110,19 @@ def _withdraw_when_compiled() -> None:
 
 
 def _python_float(node):
-    """(symbol, value, source name) of a placeholder that is a Python float Dynamo passes as a tensor
-    and reads with ``.item()`` only (what Dynamo itself can specialize on a restart), else None. Zero
-    (whose sign a guard does not see), NaN and infinities stay inputs."""
+    """(its SymFloat, value, source name) of a placeholder that is a Python float Dynamo passes as a
+    tensor and reads with ``.item()`` only (what Dynamo itself can specialize), else None. Zero (whose
+    sign a guard does not see), NaN and infinities stay inputs."""
     arg = node.meta.get("grapharg")
     example = node.meta.get("example_value")
     memo = getattr(example, "item_memo", None)
     if arg is None or arg.source is None or memo is None or not getattr(arg, "pass_arg_as_tensor", False):
         return None
-    if not node.users or any(u.target != "item" for u in node.users):
+    if not node.users or any(u.op != "call_method" or u.target != "item" for u in node.users):
         return None
-    expr = memo.node._expr
-    if not hasattr(expr, "name"):
+    if not hasattr(memo.node._expr, "name") or memo.node.hint is None:
         return None
-    value = float(memo.node.hint) if memo.node.hint is not None else None
-    if value is None or not math.isfinite(value) or value == 0.0:  # (a guard on 0.0 passes -0.0)
+    value = float(memo.node.hint)
+    if not math.isfinite(value) or value == 0.0:  # (a guard on 0.0 passes -0.0)
         return None
-    return expr.name, value, arg.source.name
+    return memo, value, arg.source.name

@@ -100,10 +100,10 @@ def test_other_frames_floats_are_not_specialized_by_our_request():
 
 
 def test_an_internal_error_leaves_the_floats_inputs_with_a_warning_or_raises_under_strict(monkeypatch):
-    def broken(gm):
+    def broken(gm):  # (the step that specializes)
         raise KeyError("grapharg")
 
-    monkeypatch.setattr(float_inputs, "_request", broken)
+    monkeypatch.setattr(float_inputs, "_specialize", broken)
     norm, x = LlamaRMSNorm(D), torch.randn(2, 5, D)
     with pytest.warns(RuntimeWarning, match="specializing the graph's float inputs failed and left them inputs"):
         got, expected, reports = compiled_calls(norm, [(x,)])
