@@ -68,6 +68,7 @@ keep_unvalidated_rewrites: bool = False
 # guarded constants, until one changes between compiles of a frame (float_inputs.py). A fused
 # op's epsilon or scale must be a constant.
 specialize_floats: bool = True
+
 # Keep at most this many per-graph reports for get_reports() (oldest dropped).
 max_reports: int = 256
 

@@ -20,6 +20,7 @@ import torch
 from torch.fx import GraphModule
 
 from . import config
+from .fusion import FusionError
 
 log = logging.getLogger("npu_fuse")
 
@@ -30,10 +31,6 @@ RUNTIME_FLOAT = ("a tensor, or a Python float that dynamic=True passes as a grap
 VARIES = object()  # a float seen at two values in one frame's compiles: never specialized again
 _seen: dict = {}  # (Dynamo frame id, the float's source) -> the value it was specialized at, or VARIES
 _requested: set = set()  # the symbols (``zf0``...) we specialized in the frame compiling now
-
-
-class SpecializationError(RuntimeError):
-    """An internal failure while specializing floats (raised only under ``config.strict``)."""
 
 
 def reset() -> None:
@@ -52,7 +49,7 @@ def specialize_floats(gm: GraphModule) -> None:
     except Exception as exc:
         message = f"npu_fuse: specializing the graph's float inputs failed and left them inputs: {exc!r}"
         if config.strict:
-            raise SpecializationError(message) from exc
+            raise FusionError(message) from exc
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
