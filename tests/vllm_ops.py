@@ -23,10 +23,11 @@ SCHEMA = ("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!)? key,
 def _kernels_unusable() -> Optional[str]:
     """Why vLLM, installed, cannot load its kernels on this machine; None where it can, or is absent. Tried
     in a child first: vLLM's CPU build is compiled for AVX-512, and on a CPU without it the import dies of
-    an illegal instruction (SIGILL, no exception to catch) and takes the test run with it."""
+    an illegal instruction (SIGILL, no exception to catch) and takes the test run with it; on one with
+    AVX-512 but not its bf16 instructions, so does its bf16 rotary kernel: the child runs it too."""
     if importlib.util.find_spec("vllm") is None:
         return None
-    probe = subprocess.run([sys.executable, "-c", "import vllm._C"], capture_output=True, text=True)
+    probe = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True)
     if probe.returncode == 0:
         return None
     flags = set()
@@ -37,8 +38,18 @@ def _kernels_unusable() -> Optional[str]:
         pass
     why = "an illegal instruction (SIGILL)" if probe.returncode in (-4, 132) else \
         f"exit status {probe.returncode}: {probe.stderr.strip()[-300:]}"
-    cpu = "" if "avx512f" in flags or not flags else " (this CPU has no AVX-512, which vLLM's CPU build needs)"
-    return f"vLLM is installed but `import vllm._C` fails here with {why}{cpu}"
+    cpu = "" if not flags else " (this CPU has no AVX-512, which vLLM's CPU build needs)" \
+        if "avx512f" not in flags else " (this CPU has no AVX512-BF16)" if "avx512_bf16" not in flags else ""
+    return f"vLLM is installed but its kernels fail here with {why}{cpu}"
+
+
+# the import, then the rotary kernel in float32 and bfloat16 (what the tests call)
+_PROBE = """
+import torch, vllm._C
+for dtype in (torch.float32, torch.bfloat16):
+    q, k = torch.randn(3, 64, dtype=dtype), torch.randn(3, 32, dtype=dtype)
+    torch.ops._C.rotary_embedding(torch.arange(3), q, k, 32, torch.randn(8, 32, dtype=dtype), True)
+"""
 
 
 UNUSABLE = _kernels_unusable()
