@@ -69,7 +69,9 @@ Otherwise:
 
 1. *Shrunk run*, every probe: each size of at least ``SHRINK_FROM`` becomes a distinct small
    prime, both in the inputs and in the integer arguments equal to it (and to its products
-   with neighbouring sizes: a flattened view, ``view(q, [-1, heads, 192])``). A size is shrunk
+   with neighbouring sizes: a flattened view, ``view(q, [-1, heads, 192])``; and to its sums with
+   the others of a split's sizes or a cat's inputs: a fused projection's 2112 = 1536 + 576 rows,
+   whose weight would otherwise be read at its real size by every evaluation). A size is shrunk
    per dim of the inputs, so that two dims of one size shrink apart (the sequence dims of an
    ``[S, S]`` attention map; an MLA's heads and its 128-wide nope dim), each integer argument
    following the dim it names, found by trying; where that fails, per value. A shrink is used
@@ -106,7 +108,9 @@ report under ``config.keep_unvalidated_rewrites``. Nothing ships unchecked silen
 
 **Tolerance** (``TOLERANCE_EPS``): per element, a few eps of the output dtype relative to the
 element plus a few eps of the scale of the values it is computed with, the rms of its last-dim
-row (and, outside the ``magnitudes`` probe, of the whole output where that is larger).
+row (and, outside the ``magnitudes`` probe, of the whole output where that is larger). An output
+larger than ``COMPARE_ELEMENTS`` (an updated cache) is compared on its rows that are not bit for bit
+eager's, with the counts and the rms of the whole.
 
 **What is not checked.** Values, sizes and positions no probe draws (a fault that needs two
 sizes past their shrunk lengths at once, rows past the sampled ones of a size confirmed by
@@ -803,6 +807,8 @@ class _Problem:
     dims: dict = dataclasses.field(default_factory=dict)  # (leaf, dim) -> _Size
     precise: bool = True  # the magnitudes probe's float64 reference fits the budget
     repairs: dict = dataclasses.field(default_factory=dict)
+    sums: dict = dataclasses.field(default_factory=dict)  # a changed sum of sizes' length -> its real value
+    summing: set = dataclasses.field(default_factory=set)  # the repaired nodes whose own sizes make a sum
     plain: set = dataclasses.field(default_factory=set)  # nodes without an integer argument to remap
     derived: bool = False  # node shapes derived from the shrunk problem's, checked as the nodes run
     ints: dict = dataclasses.field(default_factory=dict)  # node -> the integers of its arguments (the plan's)
@@ -829,7 +835,7 @@ class _Plan:
 
     @functools.cached_property
     def windows(self) -> tuple:
-        return _size_windows(self.v.nodes, self.v.leaves)
+        return _size_windows(self.v.nodes, self.v.leaves, frozenset(self.taken["all"]))
 
     def problems(self):
         v = self.v
@@ -898,7 +904,14 @@ class _Plan:
 
     def _shrink(self, sizes: list, primes: list, probes: tuple, real: _Problem) -> Optional[_Problem]:
         """The shrunk problem: every size that can shrink consistently shrunk, else None."""
-        attempts = [sizes]
+        # first without the sizes that are sums or named products of others (a fused projection's 2112 rows,
+        # 1536 + 576): they follow their parts (see _value_map)
+        reals = {s.real for s in sizes if s.symbol is None}
+        _, products_of, sums_of, _ = self.windows
+        dependent = {real for parts, real, _ in sums_of if reals.intersection(parts)} | \
+            {real for window, real, node in products_of if node is not None and reals.intersection(window)}
+        independent = [s for s in sizes if s.symbol is not None or s.real not in dependent]
+        attempts = [independent] + ([sizes] if len(independent) != len(sizes) else [])
         merged = _merged_by_value(sizes)
         if len(merged) != len(sizes):
             attempts.append(merged)
@@ -1058,7 +1071,8 @@ class _Plan:
         for size, n in lengths.items():
             for leaf_dim in size.dims:
                 problem.dims[leaf_dim] = size
-        problem.values, products = _value_map(self.windows, lengths, problem.node_values)
+        problem.values, products, problem.sums, problem.summing = _value_map(self.windows, lengths,
+                                                                              problem.node_values)
         for leaf in self.v.leaves:
             value = leaf.meta.get("val")
             if isinstance(value, torch.Tensor):  # a dim that a size list names as a product follows it too
@@ -1084,7 +1098,12 @@ class _Plan:
         env = {leaf: _meta_leaf(leaf, problem) for leaf in v.leaves}
         coded = {n: size for size, n in problem.lengths.items() if size.symbol is None and n != size.real}
         for leaf in v.leaves:
-            self._check_shape(leaf, env[leaf], coded, problem)
+            try:
+                self._check_shape(leaf, env[leaf], coded, problem)
+            except _Inconsistent as why:  # an input's size followed a sum that a node's own sizes made
+                if problem.summing:
+                    raise _Inconsistent(str(why), next(iter(problem.summing))) from None
+                raise
         for node in [*v.bridge, *v.original, *v.inserted]:
             result = _evaluate([node], env, problem, meta=True, memo=self.meta_results)
             if isinstance(result, Raised):
@@ -1098,7 +1117,7 @@ class _Plan:
             if got.dim() != value.dim():
                 raise _Inconsistent(f"{node.name} has {got.dim()} dims", node)
             for want, have in zip(value.shape, got.shape):
-                if _predicted(have, coded) != _at(want, problem.symbols):
+                if problem.sums.get(have, _predicted(have, coded)) != _at(want, problem.symbols):
                     raise _Inconsistent(f"{node.name} is {list(got.shape)}, not {list(value.shape)} shrunk", node)
             problem.shapes[node] = tuple(got.shape)
 
@@ -1185,8 +1204,11 @@ def _derive_shapes(problem: _Problem, base: _Problem, leaves: list) -> bool:
     if not changed or any(size.symbol is not None for size in changed) or set(problem.lengths) != set(base.lengths):
         return False
     swaps = [(base.lengths[size], problem.lengths[size]) for size in changed]
+    sums = {real: new for new, real in problem.sums.items()}
 
     def follow(dim: int) -> int:
+        if dim in base.sums:  # (base's meta run found each dim a sum of sizes, or a product of its primes)
+            return sums.get(base.sums[dim], base.sums[dim])
         rest, factor = dim, 1
         for prime, new in swaps:
             while rest and rest % prime == 0:
@@ -1257,14 +1279,19 @@ def _elements(problem: _Problem, leaves: list) -> int:
 
 
 def _value_map(windows: tuple, lengths: dict, node_values: dict) -> tuple:
-    """({integer argument: its value in the problem}, {input size: its length}): each changed
-    per-value size, and its products with neighbouring sizes where unambiguous: of the dims of an
-    input (what a flattening view names), and of the entries of a size list (``view(q, [-1, 32, 192])``
-    names the 6144 = 32 * 192 columns of q and of the weight that makes q, which then follow too).
-    ``windows``: the rewrite's :func:`_size_windows`."""
+    """({integer argument: its value in the problem}, {input size: its length}, {a changed sum's length:
+    its real value}, the nodes whose own values make a sum): each changed per-value size; the sums of sizes it is a part of (a fused
+    projection's ``split(qkv, [1536, 576])``, ``cat([kv, k_pe])``: the 2112 rows of its weight follow
+    the 1536 that shrinks), where unambiguous; and its products with neighbouring sizes where
+    unambiguous: of the dims of an input (what a flattening view names), and of the entries of a size
+    list (``view(q, [-1, 32, 192])`` names the 6144 = 32 * 192 columns of q and of the weight that makes
+    q, which then follow too). ``windows``: the rewrite's :func:`_size_windows`."""
     values = {size.real: n for size, n in lengths.items()
               if size.by_value and size.symbol is None and n != size.real}
-    sizes, products_of = windows
+    sizes, products_of, sums_of, taken = windows
+    changed = {size.real for size in lengths}
+    summed, owned = _sums(sums_of, values, node_values, changed, taken)
+    values.update(summed)
     products: dict = {}
     for window, real, node in products_of:
         own = node_values.get(node) if node is not None else None
@@ -1272,8 +1299,7 @@ def _value_map(windows: tuple, lengths: dict, node_values: dict) -> tuple:
         if any(s in mapping for s in window):  # a product of sizes
             new = math.prod(mapping.get(s, s) for s in window)
             products.setdefault(real, {}).setdefault(new, set()).add(node is not None)
-    derived = {}
-    changed = {size.real for size in lengths}
+    derived = dict(summed)
     for real, news in products.items():
         if len(news) == 1 and real not in values and real not in changed:
             (new, named), = news.items()
@@ -1282,13 +1308,41 @@ def _value_map(windows: tuple, lengths: dict, node_values: dict) -> tuple:
             elif True in named:  # an input size a size list names as a product
                 derived[real] = new
                 values[real] = new
-    return values, derived
+    return values, derived, {new: real for real, new in summed.items()}, owned
 
 
-def _size_windows(nodes: list, leaves: list) -> tuple:
+def _sums(relations: list, values: dict, node_values: dict, changed: set, taken: frozenset) -> dict:
+    """{real sum: its length} for the sums of sizes (``relations``: [(parts, their real sum, the node whose
+    size list they are, or None)]) a part of which changes (``values``, and a node's own ``node_values``),
+    to a fixed point (a sum that is a part of another: 576 = 512 + 64 in
+    2112 = 1536 + 576). A sum stays where its relations disagree, where it is a size of its own
+    (``changed``), or where its length would be an integer the rewrite has already or another size's."""
+    derived: dict = {}
+    for _ in range(len(relations) + 1):
+        mapping = {**values, **derived}
+        proposed: dict = {}
+        owned = set()
+        for parts, real, node in relations:
+            if real not in changed and real not in values:
+                own = node_values.get(node) or {}
+                if own.keys() & set(parts):
+                    owned.add(node)
+                proposed.setdefault(real, set()).add(sum(own.get(p, mapping.get(p, p)) for p in parts))
+        found = {real: next(iter(news)) for real, news in proposed.items() if len(news) == 1 and real not in news}
+        if found == derived:
+            break
+        derived = found
+    used = set(values.values())
+    lengths = list(derived.values())
+    return {real: new for real, new in derived.items()
+            if new not in taken and new not in used and lengths.count(new) == 1}, owned
+
+
+def _size_windows(nodes: list, leaves: list, taken: frozenset) -> tuple:
     """(the inputs' static sizes, [(a run of sizes, their product, the node whose size list it is in, or None
-    for an input's dims)]): the products :func:`_value_map` may remap, found once per plan (each problem
-    of it asks)."""
+    for an input's dims)], [(sizes, their sum)] of a split's size list or a cat's inputs, the rewrite's
+    integers): the products and sums :func:`_value_map` may remap, found once per plan (each problem of
+    it asks)."""
     sizes = {s for leaf in leaves if isinstance(leaf.meta.get("val"), torch.Tensor)
              for s in leaf.meta["val"].shape if isinstance(s, int)}
     lists = []
@@ -1296,10 +1350,14 @@ def _size_windows(nodes: list, leaves: list) -> tuple:
         value = leaf.meta.get("val")
         if isinstance(value, torch.Tensor) and all(isinstance(s, int) for s in value.shape):
             lists.append((list(value.shape), None))
+    sums = set()
     for node in nodes:
         for arg in node.args:
             if isinstance(arg, (list, tuple)) and len(arg) > 1 and all(type(x) is int for x in arg):
                 lists.append(([x for x in arg if x > 0], node))
+        parts, named = _summed_parts(node)
+        if parts is not None and len(parts) > 1 and all(type(x) is int and x > 0 for x in parts):
+            sums.add((tuple(parts), sum(parts), node if named else None))
     runs = []
     for shape, node in lists:
         for start in range(len(shape)):
@@ -1307,7 +1365,23 @@ def _size_windows(nodes: list, leaves: list) -> tuple:
                 window = tuple(shape[start:end])
                 if sum(s > 1 for s in window) > 1:
                     runs.append((window, math.prod(window), node))
-    return sizes, runs
+    return sizes, runs, list(sums), taken
+
+
+def _summed_parts(node: Node) -> tuple:
+    """(the sizes whose sum is a dim of a node's input (a split's size list: True) or of its value (a cat's
+    inputs along its dim: False), or None)."""
+    if node.target in (aten.split_with_sizes.default, aten.split_with_sizes_copy.default) and \
+            isinstance(node.args[1], (list, tuple)):
+        return list(node.args[1]), True
+    if node.target is aten.cat.default:
+        tensors = [n.meta.get("val") for n in node.args[0] if isinstance(n, Node)]
+        value = node.meta.get("val")
+        if len(tensors) == len(node.args[0]) and isinstance(value, torch.Tensor) and \
+                all(isinstance(t, torch.Tensor) and t.dim() == value.dim() for t in tensors):
+            dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % value.dim()
+            return [t.shape[dim] for t in tensors], False
+    return None, False
 
 
 def _ints_of(node: Node, cache: dict) -> frozenset:
@@ -1901,35 +1975,46 @@ def _difference(expected: Any, got: Any, probe: str = "uniform", exact: Any = No
             return None
         wrong = (expected != got).sum().item()
         return f"has {wrong} of {expected.numel()} integer values different"
-    if torch.equal(expected, got):
+    numel, rms = expected.numel(), None
+    if expected.dim() > 1 and numel > COMPARE_ELEMENTS:  # (an updated cache: its written rows differ, if any)
+        whole, width = expected, expected.shape[-1]
+        rows = _differing_rows(expected.reshape(-1, width), got.reshape(-1, width))
+        if not rows.numel():
+            return None
+        if isinstance(exact, torch.Tensor) and exact.shape == whole.shape:
+            exact = exact.reshape(-1, width)[rows]
+        expected, got = expected.reshape(-1, width)[rows], got.reshape(-1, width)[rows]
+        rms = functools.partial(_finite_rms, whole)  # (a row's tolerance floor, needed where one exceeds its own)
+    elif torch.equal(expected, got):
         return None
     if _all_finite(expected) and _all_finite(got):  # (then equal bits would be equal values: not equal)
-        return _beyond_tolerance(expected, got, probe, exact, finite=True)
+        return _beyond_tolerance(expected, got, probe, exact, finite=True, numel=numel, rms=rms)
     if _same_bits(expected, got):  # equal NaNs too
         return None
     e_finite, g_finite = torch.isfinite(expected), torch.isfinite(got)
     if overflowed:  # (exact, the subgraph in a wider dtype, is finite where eager is)
         both = e_finite & g_finite
         exact = torch.where(both, exact, 0) if isinstance(exact, torch.Tensor) and exact.shape == both.shape else None
-        return _beyond_tolerance(torch.where(both, expected, 0), torch.where(both, got, 0), probe, exact, finite=True)
+        return _beyond_tolerance(torch.where(both, expected, 0), torch.where(both, got, 0), probe, exact, finite=True,
+                                 numel=numel, rms=rms)
     lost = int((e_finite & ~g_finite).sum())
     if lost:
-        return f"is finite at {lost} of {expected.numel()} elements where the replacement is not"
+        return f"is finite at {lost} of {numel} elements where the replacement is not"
     if probe == "magnitudes":
         pass  # where eager itself overflowed, the replacement may be more precise
     elif probe == "infinities":
         gained = int((~e_finite & g_finite).sum())
         if gained:
-            return f"is infinite or NaN at {gained} of {expected.numel()} elements where the replacement is finite"
+            return f"is infinite or NaN at {gained} of {numel} elements where the replacement is finite"
     else:
         e_special, g_special = (t[~e_finite].float().nan_to_num() for t in (expected, got))
         if not (torch.equal(e_finite, g_finite) and torch.equal(e_special, g_special)):
             count = int((e_finite != g_finite).sum()) or int((e_special != g_special).sum())
             return (f"is NaN or infinite where the replacement is not, or another infinity, at {count} of "
-                    f"{expected.numel()} elements")
+                    f"{numel} elements")
         del e_special, g_special
     del e_finite, g_finite
-    return _beyond_tolerance(expected, got, probe, exact)
+    return _beyond_tolerance(expected, got, probe, exact, numel=numel, rms=rms)
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -1947,18 +2032,52 @@ def _same_bits(expected: torch.Tensor, got: torch.Tensor) -> bool:
         return False
 
 
+def _differing_rows(expected: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    """The indices of the rows of two [rows, width] tensors that are not bit for bit the same (a row
+    left out holds the same values, NaNs included: nothing to compare in it)."""
+    bits = _BITS.get(expected.element_size())
+    try:
+        differ = expected.view(bits) != got.view(bits) if bits and not (expected.is_neg() or got.is_neg()) else None
+    except RuntimeError:  # (a layout that cannot be viewed so: compared by value, NaNs always differ)
+        differ = None
+    if differ is None:
+        differ = expected != got
+    return differ.view(torch.uint8).amax(-1).nonzero().view(-1)  # (amax of bytes: ~2x a bool any() here)
+
+
+def _finite_rms(values: torch.Tensor) -> float:
+    """The rms of values over their finite elements (NaN and infinities count as 0), block by block."""
+    precise = torch.float64 if values.dtype == torch.float64 else torch.float32
+    rows = values.reshape(-1, values.shape[-1] if values.dim() else 1)
+    step = max(1, COMPARE_ELEMENTS // max(rows.shape[1], 1))
+    total = 0.0
+    for start in range(0, rows.shape[0], step):
+        block = rows[start:start + step]
+        block = torch.where(torch.isfinite(block), block, 0)
+        total += float(torch.linalg.vector_norm(block, dtype=precise)) ** 2
+    return (total / max(values.numel(), 1)) ** 0.5
+
+
 def _all_finite(values: torch.Tensor) -> bool:
-    """No element is NaN or infinite: the sum is finite (one pass, cheaper than ``isfinite``), or, where
-    the sum overflows, every element is."""
+    """No element is NaN or infinite: in one pass, cheaper than ``isfinite``. A 16-bit float's min and
+    max are (NaN propagates; ~3x its sum in float32 here), a wider one's sum is, or, where the sum
+    overflows, every element is."""
+    if not values.numel():
+        return True
+    if values.element_size() <= 2:
+        low, high = torch.aminmax(values)
+        return math.isfinite(float(low)) and math.isfinite(float(high))
     wide = torch.float64 if values.dtype == torch.float64 else torch.float32
     return math.isfinite(float(values.sum(dtype=wide))) or bool(torch.isfinite(values).all())
 
 
 def _beyond_tolerance(expected: torch.Tensor, got: torch.Tensor, probe: str, exact: Any,
-                      finite: bool = False) -> Optional[str]:
+                      finite: bool = False, numel: Optional[int] = None, rms=None) -> Optional[str]:
     """The finite elements' comparison: a small output at once, a larger one on the rows that differ
     at all, block by block (a few MB of temporaries at most: an updated cache differs in its written
-    rows only)."""
+    rows only). ``numel``, ``rms``: for the differing rows of a larger output (:func:`_difference`),
+    its element count and how to compute its rms over its finite elements."""
+    numel = expected.numel() if numel is None else numel
     precise = torch.float64 if expected.dtype == torch.float64 else torch.float32
     width = expected.shape[-1] if expected.dim() else 1
     e_all, g_all = expected.reshape(-1, width), got.reshape(-1, width)
@@ -1966,53 +2085,52 @@ def _beyond_tolerance(expected: torch.Tensor, got: torch.Tensor, probe: str, exa
         and exact.is_floating_point() else None
     step = max(1, COMPARE_ELEMENTS // max(width, 1))
     if e_all.shape[0] <= step:  # (the rows that do not differ add nothing: no need to find them)
-        blocks = [(e_all, g_all, x_all)]
+        rows = None
     else:
-        differing = (e_all != g_all).any(-1).nonzero().view(-1)
-        blocks = ((e_all[rows], g_all[rows], None if x_all is None else x_all[rows])
-                  for rows in differing.split(step))
+        rows = _differing_rows(e_all, g_all).split(step)
     eps = torch.finfo(expected.dtype).eps
     rel, absolute = TOLERANCE_EPS.get(expected.dtype, (16, 16))
-    everything = 0.0
-    if probe != "magnitudes":  # the whole output's rms (over its finite elements)
-        total = 0.0
-        for start in range(0, e_all.shape[0], step):
-            e = e_all[start:start + step]
-            e = e if finite else torch.where(torch.isfinite(e), e, 0)
-            total += float(torch.linalg.vector_norm(e, dtype=precise)) ** 2
-        everything = (total / max(expected.numel(), 1)) ** 0.5
-    bad, worst, worst_at, largest = 0, 0.0, None, 0.0
-    for e, g, x in blocks:
-        e, g = e.to(precise), g.to(precise)
-        compared = None if finite else torch.isfinite(e)
-        if not finite:
-            e, g = torch.where(compared, e, 0), torch.where(compared, g, 0)
-        scale = e.pow(2).mean(-1, keepdim=True).sqrt_()  # the rms of each element's last-dim row
-        if probe != "magnitudes":  # (the magnitudes probe scales blocks apart: each row is its own scale)
-            scale.clamp_(min=everything)
-        err = (e - g).abs_()
-        if not err.numel():
-            continue
-        block_largest = float(err.max())
-        if block_largest <= 0.5 * absolute * eps * float(scale.min()):  # within every element's tolerance by
-            largest = max(largest, block_largest)  # half its smallest part: none of the block differs
-            continue
-        # (the magnitudes probe: large values lose digits to cancellation in any kernel, a relative floor)
-        floor = absolute * eps + (MAGNITUDES_RTOL if probe == "magnitudes" else 0.0)
-        slack = err.sub_(e.abs().mul_(rel * eps)).sub_(scale * floor)
-        if x_all is not None:  # eager's own error, the largest of the row (it varies element by element)
-            compared = torch.isfinite(e) if compared is None else compared
-            own = (e - torch.where(compared, x.to(precise), 0)).abs_().nan_to_num_(0)
-            slack -= own.amax(-1, keepdim=True).mul_(4)
-        if float(slack.max()) > 0:
-            over = slack > 0
-            bad += int(over.sum())
-            value, where = slack.reshape(-1).max(0)
-            if worst_at is None or float(value) > worst:
-                worst, worst_at = float(value), (float(e.reshape(-1)[where]), float(g.reshape(-1)[where]))
-        largest = max(largest, block_largest)
+
+    def judged(everything: float) -> tuple:
+        """(elements beyond tolerance, the worst (expected, got), the largest difference) with each row's
+        scale at least ``everything``."""
+        blocks = [(e_all, g_all, x_all)] if rows is None else \
+            ((e_all[r], g_all[r], None if x_all is None else x_all[r]) for r in rows)
+        bad, worst, worst_at, largest = 0, 0.0, None, 0.0
+        for e, g, x in blocks:
+            e, g = e.to(precise), g.to(precise)
+            compared = None if finite else torch.isfinite(e)
+            if not finite:
+                e, g = torch.where(compared, e, 0), torch.where(compared, g, 0)
+            scale = e.pow(2).mean(-1, keepdim=True).sqrt_().clamp_(min=everything)  # the rms of each row
+            err = (e - g).abs_()
+            if not err.numel():
+                continue
+            block_largest = float(err.max())
+            largest = max(largest, block_largest)
+            if block_largest <= 0.5 * absolute * eps * float(scale.min()):  # within every element's tolerance by
+                continue  # half its smallest part: none of the block differs
+            # (the magnitudes probe: large values lose digits to cancellation in any kernel, a relative floor)
+            floor = absolute * eps + (MAGNITUDES_RTOL if probe == "magnitudes" else 0.0)
+            slack = err.sub_(e.abs().mul_(rel * eps)).sub_(scale * floor)
+            if x is not None:  # eager's own error, the largest of the row (it varies element by element)
+                compared = torch.isfinite(e) if compared is None else compared
+                own = (e - torch.where(compared, x.to(precise), 0)).abs_().nan_to_num_(0)
+                slack -= own.amax(-1, keepdim=True).mul_(4)
+            if float(slack.max()) > 0:
+                over = slack > 0
+                bad += int(over.sum())
+                value, where = slack.reshape(-1).max(0)
+                if worst_at is None or float(value) > worst:
+                    worst, worst_at = float(value), (float(e.reshape(-1)[where]), float(g.reshape(-1)[where]))
+        return bad, worst_at, largest
+
+    bad, worst_at, largest = judged(0.0)
+    if bad and probe != "magnitudes":  # (the magnitudes probe scales blocks apart: each row is its own scale)
+        # a row's scale is at least the whole output's rms (over its finite elements), which only allows more
+        bad, worst_at, largest = judged(rms() if rms is not None else _finite_rms(expected))
     if bad:
-        return (f"differs at {bad} of {expected.numel()} elements (by up to {largest:.3g}; "
+        return (f"differs at {bad} of {numel} elements (by up to {largest:.3g}; "
                 f"e.g. {worst_at[0]:.4g} vs {worst_at[1]:.4g}, {expected.dtype})")
     return None
 

@@ -176,6 +176,29 @@ def test_the_npu_size_ranges_are_lifted_only_inside_the_validators_context():
         run_op({**a, "wdqkv": a["wdqkv"][:2000]}, kw)  # what the computation needs stays checked
 
 
+def test_with_the_limits_lifted_the_latent_sizes_come_from_the_arguments_and_must_agree():
+    """The shrunk problem of a validation shrinks q_lora, kv_lora and nope too (a fused projection's rows
+    follow them): the op computes the same at any, so only the NPU kernel fixes 1536/512/64/128."""
+    from npu_fuse_backend.lowering.registry import size_limits_lifted
+
+    q_lora, kv_lora, nope = 13, 7, 5
+    a, kw = make_inputs(tokens=4, heads=2, quantized=False)
+    a.update(wdqkv=a["wdqkv"][:q_lora + kv_lora + 64], descale0=a["descale0"][:q_lora + kv_lora + 64],
+             gamma1=a["gamma1"][:q_lora], beta1=a["beta1"][:q_lora], gamma2=a["gamma2"][:kv_lora],
+             wuq=a["wuq"].view(2, 192, -1)[:, :nope + 64, :q_lora].reshape(-1, q_lora),
+             descale1=a["descale1"][:2 * (nope + 64)], wuk=a["wuk"][:, :nope, :kv_lora].contiguous(),
+             kv_cache=a["kv_cache"][..., :kv_lora + 64].contiguous())
+    with size_limits_lifted():
+        q = run_op(a, kw)[0]
+        assert q.shape == (4, 2, kv_lora + 64) and torch.isfinite(q.float()).all()
+        with pytest.raises(ValueError, match=f"wuk must be \\[heads, {nope}, {kv_lora}\\]"):
+            run_op({**a, "wuk": a["wuk"][:, :, :kv_lora - 1]}, kw)
+        with pytest.raises(ValueError, match="rope dim \\(cos's last\\) must be even, got 63"):
+            run_op({**a, "cos": a["cos"][:, :63], "sin": a["sin"][:, :63]}, kw)
+    with pytest.raises(ValueError, match="wuk must be \\[heads, 128, 512\\]"):
+        run_op(a, kw)  # (outside the validator: DeepSeek's sizes)
+
+
 def test_token_limit_and_nz_block_size():
     a, kw = make_inputs(tokens=4, cache_mode=3)
     a["kv_cache"] = torch.zeros(4, 64, 1, 512, dtype=torch.bfloat16)

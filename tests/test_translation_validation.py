@@ -187,6 +187,19 @@ def slots_rewritten(monkeypatch, rewrite):
     monkeypatch.setattr(fusion.GraphBuilder, "call", call_with)
 
 
+def test_mla_a_fused_projection_weight_shrinks_with_the_sizes_it_is_the_sum_of(monkeypatch):
+    """q_a and kv_a in one weight: its 2112 = 1536 + 512 + 64 rows follow the 1536 and 512 that shrink
+    (split sizes, the kv cat); at 2112 rows every evaluation of the shrunk problem would read ~4M weights."""
+    seen = problems_seen(monkeypatch)
+    mla_fuses_validated(DeepSeekMLA(MLA).to(torch.bfloat16).eval())
+    (shrunk,) = [shapes for label, shapes, _ in seen if label == "shrunk"]
+    real = {name: shape for label, shapes, _ in seen if label.startswith("confirming") for name, shape in shapes.items()
+            if shape == (2112, MLA.hidden)}
+    (weight,) = real  # confirmed at its real shape
+    rows, columns = shrunk[weight]
+    assert MLA.rope < rows < 2112 and columns < MLA.hidden
+
+
 def test_mla_slots_out_of_range_raise_on_both_sides_so_the_rewrite_is_validated():
     mla_fuses_validated(DeepSeekMLA(MLA).to(torch.bfloat16).eval())
 
@@ -531,6 +544,46 @@ def test_a_row_of_large_values_carries_their_rounding_but_a_wrong_element_is_fou
     largest = int(cache[7].float().abs().argmax())
     sign[7, largest] = -cache[7, largest]  # a sign error in the large row
     assert "differs at 1 of" in validate._difference(cache, sign)
+
+
+def test_a_large_output_is_compared_on_the_rows_that_differ_with_the_whole_outputs_counts_and_scale():
+    """An updated cache past COMPARE_ELEMENTS: only its rows that are not bit for bit the same are
+    compared, with what a comparison of the whole would find (element counts of the whole, NaN where
+    both have it equal, a row of small values held to the whole output's rms outside magnitudes)."""
+    rows, width = 2 * validate.COMPARE_ELEMENTS // 576, 576
+    cache = torch.rand(rows, width).sub_(0.5).to(torch.bfloat16)
+    cache[3, 5] = float("nan")  # the same NaN on both sides, in a row no side writes
+    total = cache.numel()
+    written = cache.clone()
+    written[100] = cache[100].float() + torch.rand(width) * 2 ** -12  # a written row: rounding-sized changes
+    assert validate._difference(cache, written) is None
+    wrong = written.clone()
+    wrong[rows - 1, 7] += 1
+    assert validate._difference(cache, wrong).startswith(f"differs at 1 of {total} elements")
+    lost = written.clone()
+    lost[rows - 2, 0] = float("inf")
+    assert validate._difference(cache, lost) == f"is finite at 1 of {total} elements where the replacement is not"
+    unplanted = written.clone()
+    unplanted[3, 5] = 0.0
+    assert "NaN or infinite where the replacement is not" in validate._difference(cache, unplanted)
+    tiny = cache.clone()
+    tiny[9] = 2 ** -20  # a row of tiny values: its rounding is judged against the whole output's scale
+    rounded = tiny.clone()
+    rounded[9, 0] = 2 ** -20 * 1.5  # half of it off: tiny beside the whole output
+    assert validate._difference(tiny, rounded) is None
+    assert validate._difference(tiny, rounded, probe="magnitudes") is not None  # (each row its own scale there)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_all_finite_sees_every_special_value(dtype):
+    values = torch.rand(1000, dtype=torch.float32).to(dtype)
+    assert validate._all_finite(values) and validate._all_finite(values[:0])
+    for special in (float("nan"), float("inf"), -float("inf")):
+        planted = values.clone()
+        planted[417] = special
+        assert not validate._all_finite(planted), special
+    if dtype == torch.float32:
+        assert validate._all_finite(torch.full((4,), 3e38))  # the sum overflows, every element is finite
 
 
 # -- inputs the validator computes, or records ------------------------------------------------------

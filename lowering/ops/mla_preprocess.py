@@ -105,6 +105,17 @@ def _shape(t) -> tuple:
     return tuple(t.shape)
 
 
+def dims(a: dict) -> tuple:
+    """(q_lora, kv_lora, rope, nope) of a call, from its arguments' shapes. The NPU kernel fixes them at
+    DeepSeek's 1536, 512, 64 and 128, which the checker requires; what the op computes is the same at
+    any, so with the kernels' size limits lifted (translation validation, at shrunk sizes) the
+    checker requires only that the arguments agree."""
+    def size(t: Tensor, dim: int) -> int:  # (-1 for a tensor with too few dims: the checker says which)
+        return t.shape[dim] if t.dim() >= -dim else -1
+
+    return size(a["gamma1"], -1), size(a["gamma2"], -1), size(a["cos"], -1), size(a["wuk"], -2)
+
+
 def check_mla_preprocess_args(a: dict) -> None:
     """Raise ValueError naming the first limit, shape, dtype, layout or device rule the arguments
     break (everything but the slot values, which only the kernels can read)."""
@@ -127,15 +138,18 @@ def check_mla_preprocess_args(a: dict) -> None:
         _require(HIDDEN_RANGE[0] <= hidden <= HIDDEN_RANGE[1],
                  f"hidden size must be 7168 or in {HIDDEN_RANGE[0]}..{HIDDEN_RANGE[1]}, got {hidden}")
     heads = a["wuk"].shape[0] if a["wuk"].dim() == 3 else -1
-    _require(_shape(a["wuk"]) == (heads, NOPE, KV_LORA) and heads > 0,
-             f"wuk must be [heads, {NOPE}, {KV_LORA}], got {_shape(a['wuk'])}")
-    _require(_shape(a["wdqkv"]) == (QKV, hidden), f"wdqkv must be [{QKV}, {hidden}], got {_shape(a['wdqkv'])}")
-    _require(_shape(a["wuq"]) == (heads * (NOPE + ROPE), Q_LORA),
-             f"wuq must be [{heads * (NOPE + ROPE)}, {Q_LORA}], got {_shape(a['wuq'])}")
-    for name, size in (("gamma1", Q_LORA), ("beta1", Q_LORA), ("gamma2", KV_LORA)):
+    q_lora, kv_lora, rope, nope = dims(a) if not limits else (Q_LORA, KV_LORA, ROPE, NOPE)
+    _require(rope > 0 and rope % 2 == 0, f"the rope dim (cos's last) must be even, got {rope}")
+    qkv = q_lora + kv_lora + rope
+    _require(_shape(a["wuk"]) == (heads, nope, kv_lora) and heads > 0,
+             f"wuk must be [heads, {nope}, {kv_lora}], got {_shape(a['wuk'])}")
+    _require(_shape(a["wdqkv"]) == (qkv, hidden), f"wdqkv must be [{qkv}, {hidden}], got {_shape(a['wdqkv'])}")
+    _require(_shape(a["wuq"]) == (heads * (nope + rope), q_lora),
+             f"wuq must be [{heads * (nope + rope)}, {q_lora}], got {_shape(a['wuq'])}")
+    for name, size in (("gamma1", q_lora), ("beta1", q_lora), ("gamma2", kv_lora)):
         _require(_shape(a[name]) == (size,), f"{name} must be [{size}], got {_shape(a[name])}")
     for name in ("cos", "sin"):
-        _require(_shape(a[name]) == (tokens, ROPE), f"{name} must be [{tokens}, {ROPE}], got {_shape(a[name])}")
+        _require(_shape(a[name]) == (tokens, rope), f"{name} must be [{tokens}, {rope}], got {_shape(a[name])}")
     for name in ("gamma1", "beta1", "gamma2", "cos", "sin", "wuk"):
         _require(a[name].dtype == dtype, f"{name} must be {dtype} (input's dtype), got {a[name].dtype}")
     _require(_shape(a["slotmapping"]) == (tokens,) and a["slotmapping"].dtype in (torch.int32, torch.int64),
@@ -148,11 +162,11 @@ def check_mla_preprocess_args(a: dict) -> None:
         for name, size in (("gamma0", hidden), ("beta0", hidden)):
             _require(_shape(a[name]) == (size,) and a[name].dtype == dtype,
                      f"{name} must be [{size}] {dtype}, got {_shape(a[name])} {a[name].dtype}")
-        for name, size in (("descale0", QKV), ("descale1", heads * (NOPE + ROPE))):
+        for name, size in (("descale0", qkv), ("descale1", heads * (nope + rope))):
             _require(_shape(a[name]) == (size,) and a[name].dtype in FLOAT_DTYPES,
                      f"{name} must be [{size}] float32/float16/bfloat16, got {_shape(a[name])} {a[name].dtype}")
         if quant_mode == PER_TENSOR_QUANT_ASYMM:
-            for i, size in ((0, QKV), (1, heads * (NOPE + ROPE))):
+            for i, size in ((0, qkv), (1, heads * (nope + rope))):
                 scale, offset, bias = a[f"quant_scale{i}"], a[f"quant_offset{i}"], a[f"bias{i}"]
                 _require(scale is not None and _shape(scale) == (1,) and scale.dtype == dtype,
                          f"quant_scale{i} must be a [1] {dtype} tensor (per-tensor quant in the input's dtype)")
@@ -173,15 +187,15 @@ def check_mla_preprocess_args(a: dict) -> None:
     _require(1 <= block_size <= 128 or block_size == 256, f"block_size must be in [1, 128] or 256, got {block_size}")
     if cache_mode in (INT8_NZCACHE, NZCACHE):
         _require(block_size == 128, f"cache_mode {cache_mode} (NZ cache) needs block_size 128, got {block_size}")
-    width = KV_LORA + ROPE if cache_mode == KVCACHE else KV_LORA
+    width = kv_lora + rope if cache_mode == KVCACHE else kv_lora
     cache_dtype = torch.int8 if cache_mode == INT8_NZCACHE else dtype
     _require(kv_cache.shape[3] == width and kv_cache.dtype == cache_dtype,
              f"kv_cache must be [blocks, block_size, 1, {width}] {cache_dtype} for cache_mode {cache_mode}, "
              f"got {_shape(kv_cache)} {kv_cache.dtype}")
     caches = [("kv_cache", kv_cache)]
     if cache_mode != KVCACHE:
-        _require(_shape(kv_rope) == (kv_cache.shape[0], block_size, 1, ROPE) and kv_rope.dtype == dtype,
-                 f"kv_cache_rope must be [{kv_cache.shape[0]}, {block_size}, 1, {ROPE}] {dtype}, "
+        _require(_shape(kv_rope) == (kv_cache.shape[0], block_size, 1, rope) and kv_rope.dtype == dtype,
+                 f"kv_cache_rope must be [{kv_cache.shape[0]}, {block_size}, 1, {rope}] {dtype}, "
                  f"got {_shape(kv_rope)} {kv_rope.dtype}")
         caches.append(("kv_cache_rope", kv_rope))
     for name, cache in caches:  # the kernels write rows of the cache's [slots, dim] view
@@ -271,6 +285,7 @@ def mla_preprocess_stages(a: dict) -> dict:
     """Every stage of the pipeline, returned by name (the golden tests look at each)."""
     x, eps, quant_mode = a["input"], a["epsilon"], a["quant_mode"]
     dtype, stages = x.dtype, {}
+    q_lora, kv_lora, rope, nope = dims(a)
     if is_quantized(x, a["wdqkv"]):
         def project(h, gamma, beta, scale, offset, w, descale, bias):
             y = rms_norm(h, gamma, beta, eps).to(dtype).float()
@@ -282,21 +297,21 @@ def mla_preprocess_stages(a: dict) -> dict:
 
         stages["x_int8"], qkv = project(x, a["gamma0"], a["beta0"], a["quant_scale0"], a["quant_offset0"],
                                         a["wdqkv"], a["descale0"], a["bias0"])
-        q_latent, kv = qkv.split([Q_LORA, KV_LORA + ROPE], dim=-1)
+        q_latent, kv = qkv.split([q_lora, kv_lora + rope], dim=-1)
         stages["q_latent_int8"], q = project(q_latent, a["gamma1"], a["beta1"], a["quant_scale1"],
                                              a["quant_offset1"], a["wuq"], a["descale1"], a["bias1"])
     else:
         # matmuls in the input dtype (fp32 accumulation), as the NPU's cube unit computes them
         qkv = x @ a["wdqkv"].t()
-        q_latent, kv = qkv.split([Q_LORA, KV_LORA + ROPE], dim=-1)
+        q_latent, kv = qkv.split([q_lora, kv_lora + rope], dim=-1)
         q = rms_norm(q_latent, a["gamma1"], a["beta1"], eps).to(dtype) @ a["wuq"].t()
     stages["qkv"] = qkv
     heads = a["wuk"].shape[0]
-    q_nope, q_rope = q.view(-1, heads, NOPE + ROPE).split([NOPE, ROPE], dim=-1)
-    ctkv = rms_norm(kv[:, :KV_LORA], a["gamma2"], None, eps).to(dtype)
+    q_nope, q_rope = q.view(-1, heads, nope + rope).split([nope, rope], dim=-1)
+    ctkv = rms_norm(kv[:, :kv_lora], a["gamma2"], None, eps).to(dtype)
     cos, sin = a["cos"].float().unsqueeze(1), a["sin"].float().unsqueeze(1)
     q_rope = (q_rope.float() * cos + rotate(q_rope.float(), "half") * sin).to(dtype)
-    k_rope = (kv[:, KV_LORA:].float() * a["cos"].float() + rotate(kv[:, KV_LORA:].float(), "half")
+    k_rope = (kv[:, kv_lora:].float() * a["cos"].float() + rotate(kv[:, kv_lora:].float(), "half")
               * a["sin"].float()).to(dtype)
     # (in float32, rounded once: the cube unit's accumulation; a CPU's 16-bit bmm is ~10x slower)
     q_nope = torch.bmm(q_nope.transpose(0, 1).float(), a["wuk"].float()).to(dtype).transpose(0, 1).contiguous()
@@ -377,10 +392,11 @@ def _(*args, **kwargs):
     check_mla_preprocess_args(a)
     x, cache_mode = a["input"], a["cache_mode"]
     tokens, heads = x.shape[0], a["wuk"].shape[0]
+    _, kv_lora, rope, _ = dims(a)
     if cache_mode == KVCACHE:
-        return x.new_empty(tokens, heads, KV_LORA + ROPE), x.new_empty(0)
+        return x.new_empty(tokens, heads, kv_lora + rope), x.new_empty(0)
     q_dtype = torch.int8 if cache_mode == INT8_NZCACHE else x.dtype
-    return x.new_empty(tokens, heads, KV_LORA, dtype=q_dtype), x.new_empty(tokens, heads, ROPE)
+    return x.new_empty(tokens, heads, kv_lora, dtype=q_dtype), x.new_empty(tokens, heads, rope)
 
 
 def mla_preprocess(*args, **kwargs):
