@@ -76,7 +76,14 @@ Otherwise:
    ``[S, S]`` attention map; an MLA's heads and its 128-wide nope dim), each integer argument
    following the dim it names, found by trying; where that fails, per value. A shrink is used
    only if every node, run on meta tensors, gets the shape the shrink predicts, so the shrunk
-   problem is the same program at other sizes; sizes that break that stay real. A fused op's size
+   problem is the same program at other sizes; sizes that break that stay real: a shrink that breaks
+   at a node is tried again without the size its shapes, integers or summed sizes point to that saves
+   the least (an MLA's rope dim, whose halves a literal slices), and an integer two sizes share (an
+   MLA's block size and nope dim, both 128) follows one, then the other, where that breaks. An
+   integer that is also a product of sizes that stay (a slot count, 16 blocks * 16 slots, beside
+   2 heads * a shrunk 128) keeps its value; no prime equals a symbol's hint. A shrunk problem on
+   which the subgraph raises on ``uniform`` inputs broke a rule no meta kernel checks (an opaque
+   kernel's): the rewrite is evaluated at its real shapes instead, where they fit the budget. A fused op's size
    ranges that only its NPU kernel has (an MLA's hidden size of 2048..8192) are lifted while the
    validator runs (``registry.size_limits_lifted``): its call at the real sizes was checked when the
    rewrite was built, and the confirmation below runs each size at its real length. (A pointwise op's
@@ -164,6 +171,7 @@ TOLERANCE_EPS = {torch.float16: (4, 8), torch.bfloat16: (4, 8), torch.float32: (
 MAGNITUDES = {torch.float16: (2.0 ** -6, 1.0, 2.0 ** 4, 2.0 ** 8, 2.0 ** 12)}
 MAGNITUDES_DEFAULT = (2.0 ** -10, 1.0, 2.0 ** 7, 2.0 ** 14, 2.0 ** 27)
 MAGNITUDES_RTOL = 2.0 ** -12  # of the row's rms: what the magnitudes probe allows on top of rounding
+PARALLEL_FROM = 1 << 21  # a problem whose inputs hold this many elements runs on the caller's threads
 COMPARE_ELEMENTS = 1 << 18  # outputs are compared in blocks of rows of about this many elements
 PLANTED = {"NaN": (float("nan"), -0.0), "infinities": (float("inf"), float("-inf"))}
 
@@ -184,6 +192,11 @@ class OverBudget(Unvalidatable):
     """No evaluation of the plan fits the budget."""
 
 
+class _Unfaithful(Exception):
+    """A problem at other sizes than the real ones on which the subgraph raises on uniform inputs: the
+    shrink broke a rule no meta kernel checks (an opaque op's), it is not the same program."""
+
+
 class _NoSignature(Exception):
     pass
 
@@ -191,9 +204,10 @@ class _NoSignature(Exception):
 class _Inconsistent(Exception):
     """A shrink under which the program is not the same program at other sizes (at ``node``)."""
 
-    def __init__(self, message: str, node: Optional[Node] = None):
+    def __init__(self, message: str, node: Optional[Node] = None, blamed: frozenset = frozenset()):
         super().__init__(message)
         self.node = node
+        self.blamed = blamed  # the shrunk sizes (_Size) the shapes there point to, where known
 
 
 _NODE_REF = object()  # (_NODE_REF, i): the rewrite's i-th node, in a signature
@@ -249,7 +263,7 @@ def check_rewrite(subgraph: Iterable[Node], outputs: dict, inserted: list, seed:
             return None
         # (an op's NPU size ranges are lifted: the shrunk problems run it at other sizes; the real call was
         # checked when the rewrite was built)
-        with unset_fake_temporarily(), torch.no_grad(), _one_thread(), size_limits_lifted():
+        with unset_fake_temporarily(), torch.no_grad(), _one_thread() as validation.threads, size_limits_lifted():
             outcome = validation.run()
             tally["evaluations"] += validation.evaluations
     except OverBudget as why:
@@ -279,12 +293,13 @@ def check_rewrite(subgraph: Iterable[Node], outputs: dict, inserted: list, seed:
 
 @contextlib.contextmanager
 def _one_thread():
-    """The evaluations are small: one thread runs them faster than a pool whose threads wait for
-    cores a compile (or other work) keeps busy."""
+    """Most evaluations are small: one thread runs them faster than a pool whose threads wait for
+    cores a compile (or other work) keeps busy. Yields the caller's thread count, which a problem of
+    at least ``PARALLEL_FROM`` input elements uses (see _Validation._compare)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        yield
+        yield threads
     finally:
         torch.set_num_threads(threads)
 
@@ -502,7 +517,11 @@ class _Validation:
         self.periodic: dict = {}  # (dtype, device) -> the sequence large inputs are windows of (_Draws._sequence)
         plan = _Plan(self)
         for problem in plan.problems():
-            difference = self._compare(problem)
+            try:
+                difference = self._compare(problem)
+            except _Unfaithful as why:  # (then the real shapes, if they fit the budget, prove it all)
+                log.debug("validation: %s; at the real shapes instead", why)
+                return self._compare(plan.real())
             if difference:
                 return difference
         return None
@@ -512,10 +531,15 @@ class _Validation:
         self.bases = {leaf: (shape, t) for leaf, (shape, t) in getattr(self, "bases", {}).items()
                       if tuple(problem.shapes.get(leaf, ())) == shape}
         draws = _Draws(self, problem)
+        parallel = getattr(self, "threads", 1) > 1 and _elements(problem, self.leaves) >= PARALLEL_FROM
+        if parallel:  # (an MLA's weights at their real sizes: the compile's Python leaves the other cores idle)
+            torch.set_num_threads(self.threads)
         try:
             return self._compare_probes(problem, draws)
         finally:
             draws.restore()
+            if parallel:
+                torch.set_num_threads(1)
 
     def _compare_probes(self, problem: "_Problem", draws: "_Draws") -> Optional[str]:
         frontier = self._reused(problem)
@@ -611,6 +635,8 @@ class _Validation:
             where += f", its levels lowered {lowered}x (eager overflows at the full ones)"
         elif overflowed:
             where += ", where both sides are finite (eager overflows on some)"
+        if isinstance(original, Raised) and probe == "uniform" and problem.lengths:
+            raise _Unfaithful(f"the subgraph raises on {where} ({original})")
         if isinstance(original, Raised):
             if isinstance(replacement, Raised):
                 if not probe.startswith("out-of-range"):
@@ -807,7 +833,7 @@ class _Problem:
     dims: dict = dataclasses.field(default_factory=dict)  # (leaf, dim) -> _Size
     precise: bool = True  # the magnitudes probe's float64 reference fits the budget
     repairs: dict = dataclasses.field(default_factory=dict)
-    sums: dict = dataclasses.field(default_factory=dict)  # a changed sum of sizes' length -> its real value
+    sums: dict = dataclasses.field(default_factory=dict)  # a derived size's length -> its real value (a sum, a product)
     summing: set = dataclasses.field(default_factory=set)  # the repaired nodes whose own sizes make a sum
     plain: set = dataclasses.field(default_factory=set)  # nodes without an integer argument to remap
     derived: bool = False  # node shapes derived from the shrunk problem's, checked as the nodes run
@@ -829,6 +855,9 @@ class _Plan:
         self.symbols = _free_symbols(validation.leaves)
         self.shape_env = _shape_env(validation.nodes)
         self.taken = _taken_numbers(validation.nodes)
+        if self.symbols:  # (a symbol left at its hint: no prime may read as it, nor it as a prime)
+            hints = _hints(self.shape_env)
+            self.taken["all"] |= {int(hints[s]) for s in self.symbols if s in hints}
         self.ints: dict = {}  # node -> the integers of its arguments, shared by the problems
         self.meta_results: dict = {}  # (node, its arguments' metadata) -> its meta value: shrinks tried one
         # after another share most of their nodes' shapes
@@ -837,13 +866,24 @@ class _Plan:
     def windows(self) -> tuple:
         return _size_windows(self.v.nodes, self.v.leaves, frozenset(self.taken["all"]))
 
-    def problems(self):
+    @functools.cached_property
+    def probes(self) -> tuple:
         v = self.v
         probes = ("uniform",)  # then the probes that draw its float values again (see _Validation.stable)
         if any(use.repeats for uses in v.index_uses.values() for use in uses):
             probes += ("repeated indices",)
         probes += ("out-of-range index",) if v.index_uses else ()
-        probes += ("magnitudes", "NaN", "infinities")
+        return probes + ("magnitudes", "NaN", "infinities")
+
+    def real(self) -> _Problem:
+        """The problem at the real shapes, every probe; OverBudget where it does not fit the budget."""
+        real = self._problem("", {}, {}, self.probes, check=False)
+        self._fits(real)
+        return real
+
+    def problems(self):
+        v = self.v
+        probes = self.probes
         real = self._problem("", {}, {}, probes, check=False)
         if not self.symbols and _elements(real, v.leaves) <= FULL_ELEMENTS:
             self._fits(real)
@@ -911,7 +951,16 @@ class _Plan:
         dependent = {real for parts, real, _ in sums_of if reals.intersection(parts)} | \
             {real for window, real, node in products_of if node is not None and reals.intersection(window)}
         independent = [s for s in sizes if s.symbol is not None or s.real not in dependent]
-        attempts = [independent] + ([sizes] if len(independent) != len(sizes) else [])
+        attempt = independent  # each failure drops the size it points to that saves the least, while one does
+        for _ in range(len(independent)):
+            problem = self._try_shrink(attempt, primes, probes)
+            if problem is not None:
+                return problem
+            if not self.blamed:
+                break
+            dropped = min(self.blamed, key=lambda size: self._saving(size, real))
+            attempt = [size for size in attempt if size is not dropped]
+        attempts = [sizes] if len(independent) != len(sizes) else []
         merged = _merged_by_value(sizes)
         if len(merged) != len(sizes):
             attempts.append(merged)
@@ -963,11 +1012,18 @@ class _Plan:
 
     def _try_shrink(self, sizes: list, primes: list, probes: tuple) -> Optional[_Problem]:
         """Static sizes take the first primes, symbols small values made of the others."""
-        # the smallest primes to the smallest sizes, which they shrink the most relative to their length (an
-        # MLA's 16 heads become 5 in the weights every evaluation reads, its 7282 cache blocks 13)
-        static = sorted((s for s in sizes if s.symbol is None), key=lambda s: s.real)
-        lengths = dict(zip(static, primes))
-        rest = primes[len(static):]
+        # the smallest primes first to the sizes beside which an input holds more than FULL_ELEMENTS elements
+        # per position (a confirmation runs one size at its real length, the others at their primes: an MLA's
+        # block size, beside a 7282-block cache, gets 5), then to the smallest sizes, which they shrink the
+        # most relative to their length (its 16 heads, in the weights every evaluation reads; a contraction
+        # stays long enough that one int8 rounding step of a w8a8 kernel is small beside its sum); a prime is
+        # smaller than the size it codes, or the size stays
+        static = sorted((s for s in sizes if s.symbol is None),
+                        key=lambda s: (self._beside(s) <= FULL_ELEMENTS, s.real))
+        lengths, rest = {}, list(primes)
+        for size in static:
+            if rest and rest[0] < size.real:
+                lengths[size] = rest.pop(0)
         for size in sizes:
             if size.symbol is not None:
                 value = self._symbol_value(size, lengths, rest)
@@ -975,23 +1031,63 @@ class _Plan:
                     lengths[size] = value
         if not lengths:
             return None
-        # a per-dim size that integer arguments name: first every node naming it follows it, then each
-        # node at which the program stops being consistent keeps its real value
-        repairs = {}
+        # a per-dim size that integer arguments name: first every node naming it follows it (the first of the
+        # sizes of that value: an MLA's block size and nope dim are both 128), then each node at which the
+        # program stops being consistent, or the nearest one above it that follows a size the shapes there
+        # point to, follows the next such size, and then keeps its real value
+        options: dict = {}
         for size in lengths:
             if size.named:
                 for node in self.v.nodes:
                     if size.real in _ints_of(node, self.ints):
-                        repairs.setdefault(node, {}).setdefault(size.real, size)
-        for _ in range(len(repairs) + 1):
+                        options.setdefault(node, {}).setdefault(size.real, []).append(size)
+        repairs = {node: {real: queue[0] for real, queue in reals.items()} for node, reals in options.items()}
+        self.blamed = frozenset()
+        for _ in range(sum(len(q) for reals in options.values() for q in reals.values()) + 1):
             try:
                 return self._problem("shrunk", lengths, {}, probes, repairs=repairs)
             except _Inconsistent as why:
                 log.debug("validation: shrink %s not used: %s", lengths, why)
-                if why.node not in repairs:
+                node = why.node if why.node in repairs else self._repaired_above(why, repairs)
+                if node is None:
+                    self.blamed = why.blamed & set(sizes)
                     return None
-                del repairs[why.node]
+                reals = options[node]
+                real = next((r for r, queue in reals.items() if len(queue) > 1), None)
+                if real is None:
+                    del repairs[node], options[node]
+                else:
+                    reals[real].pop(0)
+                    repairs[node] = {r: queue[0] for r, queue in reals.items()}
         return None
+
+    def _parts_of(self, node: Node) -> set:
+        """The sizes a node's split sizes or cat inputs sum, and theirs in turn (576 = 512 + 64)."""
+        parts, _ = _summed_parts(node)
+        found, todo = set(), [p for p in parts or () if type(p) is int]
+        sums = {real: relation for relation, real, _ in self.windows[2]}
+        while todo:
+            part = todo.pop()
+            if part not in found:
+                found.add(part)
+                todo += list(sums.get(part, ()))
+        return found
+
+    def _beside(self, size: _Size) -> int:
+        """The most elements an input with a dim of ``size`` has per position of that dim."""
+        shapes = [leaf.meta["val"].shape for leaf, _ in size.dims]
+        return max((math.prod(s) // size.real for s in shapes if all(type(d) is int for d in s)), default=0)
+
+    def _repaired_above(self, why: _Inconsistent, repairs: dict) -> Optional[Node]:
+        """The repaired node nearest above the node of an inconsistency that follows a size it blames."""
+        if why.node is None:
+            return None
+        seen, frontier, inside = set(), [why.node], set(self.v.nodes)
+        while frontier:
+            frontier = [n for node in frontier for n in node.all_input_nodes if n in inside and n not in seen]
+            seen.update(frontier)
+        suspects = [n for n in seen if n in repairs and why.blamed.intersection(repairs[n].values())]
+        return max(suspects, key=self.v.nodes.index) if suspects else None
 
     def _confirmations(self, shrunk: _Problem, primes: list):
         """Every shrunk size at its real length: the static ones together, as many as fit the budget at
@@ -1106,9 +1202,15 @@ class _Plan:
                 raise
         for node in [*v.bridge, *v.original, *v.inserted]:
             result = _evaluate([node], env, problem, meta=True, memo=self.meta_results)
-            if isinstance(result, Raised):
-                raise _Inconsistent(f"{result}", node)
-            self._check_shape(node, env[node], coded, problem)
+            try:
+                if isinstance(result, Raised):
+                    raise _Inconsistent(f"{result}", node)
+                self._check_shape(node, env[node], coded, problem)
+            except _Inconsistent as why:  # blamed: the shrunk sizes of the shapes it read, and of its integers
+                ints = _ints_of(node, self.ints)
+                dims = [d for n in node.all_input_nodes if isinstance(env.get(n), torch.Tensor) for d in env[n].shape]
+                named = frozenset(size for size in coded.values() if size.real in ints | self._parts_of(node))
+                raise _Inconsistent(str(why), node, why.blamed | _blamed(dims, coded) | named) from None
 
     @staticmethod
     def _check_shape(node: Node, got: Any, coded: dict, problem: _Problem) -> None:
@@ -1118,7 +1220,8 @@ class _Plan:
                 raise _Inconsistent(f"{node.name} has {got.dim()} dims", node)
             for want, have in zip(value.shape, got.shape):
                 if problem.sums.get(have, _predicted(have, coded)) != _at(want, problem.symbols):
-                    raise _Inconsistent(f"{node.name} is {list(got.shape)}, not {list(value.shape)} shrunk", node)
+                    raise _Inconsistent(f"{node.name} is {list(got.shape)}, not {list(value.shape)} shrunk", node,
+                                        _blamed([have], coded))
             problem.shapes[node] = tuple(got.shape)
 
     def _at_most(self, problem: _Problem) -> int:
@@ -1246,6 +1349,11 @@ def _merged_by_value(sizes: list) -> list:
     return merged
 
 
+def _blamed(dims: list, coded: dict) -> frozenset:
+    """The shrunk sizes whose primes (``coded``: {prime: _Size}) divide one of ``dims``."""
+    return frozenset(size for prime, size in coded.items() for d in dims if isinstance(d, int) and d and d % prime == 0)
+
+
 def _predicted(have: int, coded: dict) -> int:
     """The real size of a dim of length ``have`` in a problem whose shrunk sizes are the primes
     ``coded`` ({prime: _Size}): each prime factor back to the size it stands for."""
@@ -1279,36 +1387,50 @@ def _elements(problem: _Problem, leaves: list) -> int:
 
 
 def _value_map(windows: tuple, lengths: dict, node_values: dict) -> tuple:
-    """({integer argument: its value in the problem}, {input size: its length}, {a changed sum's length:
-    its real value}, the nodes whose own values make a sum): each changed per-value size; the sums of sizes it is a part of (a fused
-    projection's ``split(qkv, [1536, 576])``, ``cat([kv, k_pe])``: the 2112 rows of its weight follow
-    the 1536 that shrinks), where unambiguous; and its products with neighbouring sizes where
-    unambiguous: of the dims of an input (what a flattening view names), and of the entries of a size
-    list (``view(q, [-1, 32, 192])`` names the 6144 = 32 * 192 columns of q and of the weight that makes
-    q, which then follow too). ``windows``: the rewrite's :func:`_size_windows`."""
+    """({integer argument: its value in the problem}, {input size: its length}, {a derived size's length:
+    its real value, where unambiguous}, the nodes whose own values make a sum): each changed per-value
+    size; the sums of sizes it is a part of (a fused projection's ``split(qkv, [1536, 576])``,
+    ``cat([kv, k_pe])``: the 2112 rows of its weight follow the 1536 that shrinks); and its products
+    with neighbouring sizes: of the dims of an input (what a flattening view names), and of the entries
+    of a size list (``view(q, [-1, 32, 192])`` names the 6144 = 32 * 192 columns of q and of the weight
+    that makes q, which then follow too). Each only where unambiguous: a value that is also a product of
+    sizes that do not change (an MLA's slot count, 16 blocks * 16 slots, where 2 heads * a 128-wide dim
+    shrink) stays. ``windows``: the rewrite's :func:`_size_windows`."""
     values = {size.real: n for size, n in lengths.items()
               if size.by_value and size.symbol is None and n != size.real}
     sizes, products_of, sums_of, taken = windows
     changed = {size.real for size in lengths}
     summed, owned = _sums(sums_of, values, node_values, changed, taken)
-    values.update(summed)
-    products: dict = {}
-    for window, real, node in products_of:
-        own = node_values.get(node) if node is not None else None
-        mapping = {**values, **own} if own else values
-        if any(s in mapping for s in window):  # a product of sizes
+    for _ in range(2):  # (again without the sums a product makes ambiguous)
+        mapped = {**values, **summed}
+        products: dict = {}
+        for window, real, node in products_of:
+            own = node_values.get(node) if node is not None else None
+            mapping = {**mapped, **own} if own else mapped
             new = math.prod(mapping.get(s, s) for s in window)
             products.setdefault(real, {}).setdefault(new, set()).add(node is not None)
+        ambiguous = {real for real, new in summed.items() if set(products.get(real, {new: None})) != {new}}
+        if not ambiguous:
+            break
+        summed = {real: new for real, new in summed.items() if real not in ambiguous}
+    values.update(summed)
     derived = dict(summed)
     for real, news in products.items():
         if len(news) == 1 and real not in values and real not in changed:
             (new, named), = news.items()
+            if new == real:
+                continue
             if real not in sizes:
                 values[real] = new
             elif True in named:  # an input size a size list names as a product
                 derived[real] = new
                 values[real] = new
-    return values, derived, {new: real for real, new in summed.items()}, owned
+    lengths_of: dict = {}  # (a length two derived sizes share, or a shrunk size's, decodes to neither)
+    for real, new in derived.items():
+        lengths_of.setdefault(new, set()).add(real)
+    coded = set(lengths.values())
+    decoded = {new: reals.pop() for new, reals in lengths_of.items() if len(reals) == 1 and new not in coded}
+    return values, derived, decoded, owned
 
 
 def _sums(relations: list, values: dict, node_values: dict, changed: set, taken: frozenset) -> dict:

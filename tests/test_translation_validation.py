@@ -378,6 +378,87 @@ def test_large_inputs_run_shrunk_then_each_size_at_its_real_length(monkeypatch):
     assert near_miss_reasons(reports)[0].endswith("shrunk)")  # found on the shrunk problem already
 
 
+def shrink_tries(monkeypatch) -> list:
+    """({size's real value: its length} of every shrink tried, whether it was used) from now on."""
+    tries = []
+    try_shrink = validate._Plan._try_shrink
+
+    def recording(self, sizes, primes, probes):
+        problem = try_shrink(self, sizes, primes, probes)
+        tries.append((sorted(s.real for s in sizes), problem is not None))
+        return problem
+
+    monkeypatch.setattr(validate._Plan, "_try_shrink", recording)
+    return tries
+
+
+def test_a_shrink_that_breaks_drops_the_size_the_broken_shapes_point_to(monkeypatch):
+    """rotate_half halves the head dim (a literal 8 for 16): 16 cannot become a prime, the sequence can.
+    The first shrink fails where the halves are sliced, blames the head dim, and the second is used."""
+    tries = shrink_tries(monkeypatch)
+    seen = problems_seen(monkeypatch)
+    monkeypatch.setattr(validate, "FULL_ELEMENTS", 2000)
+    out, reports = compile_fused(rope, *rope_args(seq=64))
+    assert fused_ops(reports) == ["rotary_mul"]
+    assert tries == [([16, 64], False), ([64], True)]
+    (shrunk,) = [shapes for label, shapes, _ in seen if label == "shrunk"]
+    assert shrunk["arg0_1"][1] < 64 and shrunk["arg0_1"][3] == 16
+
+
+def test_two_sizes_of_one_value_each_get_the_integers_that_name_them(monkeypatch):
+    """An MLA's block size and nope dim are both 128: the cache's view follows the block size, the
+    split of q and the absorbed bmm the nope dim, each found by trying the other where one breaks."""
+    tries = shrink_tries(monkeypatch)
+    seen = problems_seen(monkeypatch)
+    cfg = MLAConfig(block_size=128, num_blocks=16)
+    model = DeepSeekMLA(cfg).to(torch.bfloat16).eval()
+    eager, eager_cache, _ = decode(model, cfg, steps=1)
+    outs, cache, reports = decode(model, cfg, steps=1, compile_=True)
+    assert set(fused_ops(reports)) == {"mla_preprocess"} and tally() == {"equal": 1}
+    assert relative_error(outs[0], eager[0]) < 0.01 and relative_error(cache, eager_cache) < 0.01
+    (shrunk,) = [shapes for label, shapes, _ in seen if label == "shrunk"]
+    cache_shape = next(shape for shape in shrunk.values() if len(shape) == 4)
+    wuk_shape = next(shape for shape in shrunk.values() if len(shape) == 3)
+    assert cache_shape[1] < 128 and wuk_shape[1] < 128 and cache_shape[1] != wuk_shape[1]
+    assert len(tries) <= 3 and tries[-1][1]
+
+
+def test_a_product_that_unchanged_sizes_also_make_keeps_its_value():
+    """2 heads * a 128-wide dim, in a view's size list, and 16 blocks * 16 slots, the dims of a cache,
+    are both 256: with the 128 shrunk, an integer 256 (the slot count a replacement fills negative slots
+    with) may be either, so it stays 256; alone, the product follows."""
+    graph = torch.fx.Graph()
+    view = graph.call_function(aten.view.default, (graph.placeholder("q"), [-1, 2, 128]))
+    nope = validate._Size(128, [])
+    both = ({16, 128}, [((2, 128), 256, view), ((16, 16), 256, None)], [], frozenset())
+    values, derived, _, _ = validate._value_map(both, {nope: 5}, {})
+    assert values == {128: 5} and 256 not in derived
+    alone = ({16, 128}, [((2, 128), 256, view)], [], frozenset())
+    values, _, _, _ = validate._value_map(alone, {nope: 5}, {})
+    assert values == {128: 5, 256: 10}
+
+
+def test_a_shrink_on_which_the_subgraph_raises_leaves_the_proof_to_the_real_shapes(monkeypatch):
+    """A rule no meta kernel checks (an opaque kernel's: vLLM's rotary op wants one position per row)
+    can make the subgraph raise at the shrunk sizes: that is not the same program, so the rewrite is
+    evaluated at its real shapes instead (it is not refused as different)."""
+    seen = problems_seen(monkeypatch)
+    monkeypatch.setattr(validate, "FULL_ELEMENTS", 2000)
+    call = validate._call
+
+    def rows_of_their_own(node, args, kwargs, problem, meta):
+        if not meta and node.target is aten.mul.Tensor and problem.lengths:
+            raise RuntimeError("this kernel wants its 64 rows")
+        return call(node, args, kwargs, problem, meta)
+
+    monkeypatch.setattr(validate, "_call", rows_of_their_own)
+    args = rope_args(seq=64)
+    out, reports = compile_fused(rope, *args)
+    assert fused_ops(reports) == ["rotary_mul"] and tally() == {"equal": 1}
+    assert [label for label, _, _ in seen] == ["shrunk", ""]
+    assert_close(out, rope(*args))
+
+
 def test_a_confirmation_derives_its_shapes_from_the_shrunk_problem(monkeypatch):
     """Only the shrunk problem runs on meta tensors; each confirmation's shapes follow from it (the
     one size that changes is a prime of its own), and the confirmation still runs."""
