@@ -859,6 +859,7 @@ class _Plan:
             hints = _hints(self.shape_env)
             self.taken["all"] |= {int(hints[s]) for s in self.symbols if s in hints}
         self.ints: dict = {}  # node -> the integers of its arguments, shared by the problems
+        self.blamed: frozenset = frozenset()  # the sizes the last shrink that broke points to (_try_shrink)
         self.meta_results: dict = {}  # (node, its arguments' metadata) -> its meta value: shrinks tried one
         # after another share most of their nodes' shapes
 
