@@ -833,7 +833,7 @@ class _Problem:
     dims: dict = dataclasses.field(default_factory=dict)  # (leaf, dim) -> _Size
     precise: bool = True  # the magnitudes probe's float64 reference fits the budget
     repairs: dict = dataclasses.field(default_factory=dict)
-    sums: dict = dataclasses.field(default_factory=dict)  # a derived size's length -> its real value (a sum, a product)
+    decoded: dict = dataclasses.field(default_factory=dict)  # a derived size's length -> its real value (a sum, a product)
     summing: set = dataclasses.field(default_factory=set)  # the repaired nodes whose own sizes make a sum
     plain: set = dataclasses.field(default_factory=set)  # nodes without an integer argument to remap
     derived: bool = False  # node shapes derived from the shrunk problem's, checked as the nodes run
@@ -1168,8 +1168,8 @@ class _Plan:
         for size, n in lengths.items():
             for leaf_dim in size.dims:
                 problem.dims[leaf_dim] = size
-        problem.values, products, problem.sums, problem.summing = _value_map(self.windows, lengths,
-                                                                              problem.node_values)
+        problem.values, products, problem.decoded, problem.summing = _value_map(self.windows, lengths,
+                                                                                 problem.node_values)
         for leaf in self.v.leaves:
             value = leaf.meta.get("val")
             if isinstance(value, torch.Tensor):  # a dim that a size list names as a product follows it too
@@ -1220,7 +1220,7 @@ class _Plan:
             if got.dim() != value.dim():
                 raise _Inconsistent(f"{node.name} has {got.dim()} dims", node)
             for want, have in zip(value.shape, got.shape):
-                if problem.sums.get(have, _predicted(have, coded)) != _at(want, problem.symbols):
+                if problem.decoded.get(have, _predicted(have, coded)) != _at(want, problem.symbols):
                     raise _Inconsistent(f"{node.name} is {list(got.shape)}, not {list(value.shape)} shrunk", node,
                                         _blamed([have], coded))
             problem.shapes[node] = tuple(got.shape)
@@ -1308,11 +1308,11 @@ def _derive_shapes(problem: _Problem, base: _Problem, leaves: list) -> bool:
     if not changed or any(size.symbol is not None for size in changed) or set(problem.lengths) != set(base.lengths):
         return False
     swaps = [(base.lengths[size], problem.lengths[size]) for size in changed]
-    sums = {real: new for new, real in problem.sums.items()}
+    lengths_of = {real: new for new, real in problem.decoded.items()}
 
     def follow(dim: int) -> int:
-        if dim in base.sums:  # (base's meta run found each dim a sum of sizes, or a product of its primes)
-            return sums.get(base.sums[dim], base.sums[dim])
+        if dim in base.decoded:  # (base's meta run found each dim a derived size, or a product of its primes)
+            return lengths_of.get(base.decoded[dim], base.decoded[dim])
         rest, factor = dim, 1
         for prime, new in swaps:
             while rest and rest % prime == 0:
@@ -1434,7 +1434,7 @@ def _value_map(windows: tuple, lengths: dict, node_values: dict) -> tuple:
     return values, derived, decoded, owned
 
 
-def _sums(relations: list, values: dict, node_values: dict, changed: set, taken: frozenset) -> dict:
+def _sums(relations: list, values: dict, node_values: dict, changed: set, taken: frozenset) -> tuple:
     """{real sum: its length} for the sums of sizes (``relations``: [(parts, their real sum, the node whose
     size list they are, or None)]) a part of which changes (``values``, and a node's own ``node_values``),
     to a fixed point (a sum that is a part of another: 576 = 512 + 64 in
@@ -2104,10 +2104,11 @@ def _difference(expected: Any, got: Any, probe: str = "uniform", exact: Any = No
         rows = _differing_rows(expected.reshape(-1, width), got.reshape(-1, width))
         if not rows.numel():
             return None
-        if isinstance(exact, torch.Tensor) and exact.shape == whole.shape:
-            exact = exact.reshape(-1, width)[rows]
-        expected, got = expected.reshape(-1, width)[rows], got.reshape(-1, width)[rows]
-        rms = functools.partial(_finite_rms, whole)  # (a row's tolerance floor, needed where one exceeds its own)
+        if rows.numel() * width <= COMPARE_ELEMENTS:  # (copied; where most rows differ, the whole is compared)
+            if isinstance(exact, torch.Tensor) and exact.shape == whole.shape:
+                exact = exact.reshape(-1, width)[rows]
+            expected, got = expected.reshape(-1, width)[rows], got.reshape(-1, width)[rows]
+            rms = functools.partial(_finite_rms, whole)  # (a row's tolerance floor, where one exceeds its own)
     elif torch.equal(expected, got):
         return None
     if _all_finite(expected) and _all_finite(got):  # (then equal bits would be equal values: not equal)
@@ -2196,10 +2197,9 @@ def _all_finite(values: torch.Tensor) -> bool:
 
 def _beyond_tolerance(expected: torch.Tensor, got: torch.Tensor, probe: str, exact: Any,
                       finite: bool = False, numel: Optional[int] = None, rms=None) -> Optional[str]:
-    """The finite elements' comparison: a small output at once, a larger one on the rows that differ
-    at all, block by block (a few MB of temporaries at most: an updated cache differs in its written
-    rows only). ``numel``, ``rms``: for the differing rows of a larger output (:func:`_difference`),
-    its element count and how to compute its rms over its finite elements."""
+    """The finite elements' comparison, block by block of rows (a few MB of temporaries at most; a larger
+    output comes here as its rows that differ, :func:`_difference`). ``numel``, ``rms``: for those rows,
+    the whole output's element count and how to compute its rms over its finite elements."""
     numel = expected.numel() if numel is None else numel
     precise = torch.float64 if expected.dtype == torch.float64 else torch.float32
     width = expected.shape[-1] if expected.dim() else 1
@@ -2207,18 +2207,14 @@ def _beyond_tolerance(expected: torch.Tensor, got: torch.Tensor, probe: str, exa
     x_all = exact.reshape(-1, width) if isinstance(exact, torch.Tensor) and exact.shape == expected.shape \
         and exact.is_floating_point() else None
     step = max(1, COMPARE_ELEMENTS // max(width, 1))
-    if e_all.shape[0] <= step:  # (the rows that do not differ add nothing: no need to find them)
-        rows = None
-    else:
-        rows = _differing_rows(e_all, g_all).split(step)
     eps = torch.finfo(expected.dtype).eps
     rel, absolute = TOLERANCE_EPS.get(expected.dtype, (16, 16))
 
     def judged(everything: float) -> tuple:
         """(elements beyond tolerance, the worst (expected, got), the largest difference) with each row's
         scale at least ``everything``."""
-        blocks = [(e_all, g_all, x_all)] if rows is None else \
-            ((e_all[r], g_all[r], None if x_all is None else x_all[r]) for r in rows)
+        blocks = ((e_all[r:r + step], g_all[r:r + step], None if x_all is None else x_all[r:r + step])
+                  for r in range(0, e_all.shape[0], step))
         bad, worst, worst_at, largest = 0, 0.0, None, 0.0
         for e, g, x in blocks:
             e, g = e.to(precise), g.to(precise)
