@@ -193,11 +193,14 @@ def test_mla_a_fused_projection_weight_shrinks_with_the_sizes_it_is_the_sum_of(m
     seen = problems_seen(monkeypatch)
     mla_fuses_validated(DeepSeekMLA(MLA).to(torch.bfloat16).eval())
     (shrunk,) = [shapes for label, shapes, _ in seen if label == "shrunk"]
-    real = {name: shape for label, shapes, _ in seen if label.startswith("confirming") for name, shape in shapes.items()
-            if shape == (2112, MLA.hidden)}
-    (weight,) = real  # confirmed at its real shape
+    confirmed = [shapes for label, shapes, _ in seen if label.startswith("confirming")]
+    (weight,) = [name for name, shape in shrunk.items() if len(shape) == 2 and
+                 any(shapes[name][0] == 2112 for shapes in confirmed)]
     rows, columns = shrunk[weight]
     assert MLA.rope < rows < 2112 and columns < MLA.hidden
+    # each of its dims at its real length in a confirmation, never both at once (that is the real compute)
+    assert any(shapes[weight][1] == MLA.hidden for shapes in confirmed)
+    assert all(shapes[weight] != (2112, MLA.hidden) for shapes in confirmed)
 
 
 def test_mla_slots_out_of_range_raise_on_both_sides_so_the_rewrite_is_validated():
