@@ -847,10 +847,9 @@ class _Problem:
     repairs: dict = dataclasses.field(default_factory=dict)
     decoded: dict = dataclasses.field(default_factory=dict)  # a derived size's length -> its real value (a sum, a product)
     summing: set = dataclasses.field(default_factory=set)  # the repaired nodes whose own sizes make a sum
-    plain: set = dataclasses.field(default_factory=set)  # nodes without an integer argument to remap
+    templates: dict = dataclasses.field(default_factory=dict)  # node -> its (args, kwargs), integers remapped
     derived: bool = False  # node shapes derived from the shrunk problem's, checked as the nodes run
     ints: dict = dataclasses.field(default_factory=dict)  # node -> the integers of its arguments (the plan's)
-    settings: dict = dataclasses.field(default_factory=dict)  # a confirmation's {size: (length, sampled rows)}
 
     @property
     def where(self) -> str:
@@ -1113,33 +1112,54 @@ class _Plan:
         sampled rows (a paged cache's blocks), packed likewise. Symbols are confirmed one at a time."""
         settings = {size: self._confirmed_length(shrunk, size, primes) for size in shrunk.lengths
                     if size.symbol is None}
-        groups: list = []  # [{size: (length, rows or None)}, problem, bytes held]
+        groups: list = []  # {size: (length, sampled rows or None)} per group
         for unit in self._units(list(settings)):
             if not self._placed(shrunk, groups, {size: settings[size] for size in unit}):
                 for size in unit:  # (the parts of a sum one at a time, where together they are too large)
                     self._placed(shrunk, groups, {size: settings[size]})
-        for _, problem, held in groups:
-            self._fits(problem, held)
-            yield problem
+        for group in groups:
+            problem = self._group(shrunk, group)
+            held = self._bytes(problem)
+            if held <= MEMORY_BUDGET:
+                self._fits(problem, held)
+                yield problem
+            else:  # (its intermediates too large together: one size at a time)
+                for size in group:
+                    yield self._alone(shrunk, size, group[size], primes)
         for size in shrunk.lengths:
             if size.symbol is not None:
                 yield self._confirmation(shrunk, size, primes)
 
     def _placed(self, shrunk: _Problem, groups: list, settings: dict) -> bool:
-        """Settings added to the first group that stays small with them (see _confirmations), else to a new
-        group: False where they are a sum's parts that are too large together."""
+        """Settings added to the first group that stays small with them, else as a new group: False
+        where they are a sum's parts that are too large together."""
         for group in groups:
-            trial = self._group(shrunk, {**group[0], **settings})
-            held = self._bytes(trial)
-            if _elements(trial, self.v.leaves) <= CONFIRM_ELEMENTS and held <= MEMORY_BUDGET:
-                group[:] = [trial.settings, trial, held]
+            if self._small(shrunk, {**group, **settings}):
+                group.update(settings)
                 return True
-        alone = self._group(shrunk, settings)
-        held = self._bytes(alone)
-        if len(settings) > 1 and (_elements(alone, self.v.leaves) > CONFIRM_ELEMENTS or held > MEMORY_BUDGET):
+        if len(settings) > 1 and not self._small(shrunk, settings):
             return False
-        groups.append([settings, alone, held])
+        groups.append(dict(settings))
         return True
+
+    def _small(self, shrunk: _Problem, settings: dict) -> bool:
+        """The confirmation's inputs hold at most ``CONFIRM_ELEMENTS`` elements (judged from its inputs'
+        shapes alone; its memory is sized once its group is complete)."""
+        return _elements(self._group(shrunk, settings, leaves_only=True), self.v.leaves) <= CONFIRM_ELEMENTS
+
+    def _alone(self, shrunk: _Problem, size: _Size, setting: tuple, primes: list) -> _Problem:
+        """A size's confirmation by itself: at its length (``setting``) where that fits the memory budget,
+        else on sampled rows (OverBudget where even that does not fit)."""
+        if setting[1] is None:
+            problem = self._group(shrunk, {size: setting})
+            held = self._bytes(problem)
+            if held <= MEMORY_BUDGET:
+                self._fits(problem, held)
+                return problem
+            setting = self._sampled(shrunk, size, primes)
+        problem = self._group(shrunk, {size: setting})
+        self._fits(problem)
+        return problem
 
     def _units(self, sizes: list) -> list:
         """The sizes, those that are parts of one sum (a split's sizes, a cat's inputs) in one list,
@@ -1167,17 +1187,19 @@ class _Plan:
         return sorted(units, key=lambda unit: -max(size.real for size in unit))
 
     def _confirmed_length(self, shrunk: _Problem, size: _Size, primes: list) -> tuple:
-        """(length, rows): (its real length, None), or where that alone exceeds ``CONFIRM_ELEMENTS`` or
-        the memory budget, a prime count of sampled rows, the first and the last among them."""
-        alone = self._group(shrunk, {size: (size.real, None)})
-        if _elements(alone, self.v.leaves) <= CONFIRM_ELEMENTS and self._bytes(alone) <= MEMORY_BUDGET:
-            return size.real, None
+        """(length, rows): (its real length, None), or where that alone exceeds ``CONFIRM_ELEMENTS``,
+        sampled rows (:meth:`_sampled`)."""
+        return (size.real, None) if self._small(shrunk, {size: (size.real, None)}) else \
+            self._sampled(shrunk, size, primes)
+
+    def _sampled(self, shrunk: _Problem, size: _Size, primes: list) -> tuple:
+        """(a prime count of rows, the rows: the first and the last among them, the others at random)."""
         count = next(p for p in primes if p >= SAMPLE_ROWS and p not in shrunk.lengths.values())
         g = torch.Generator().manual_seed(self.v.seed)
         middle = torch.randperm(size.real - 2, generator=g)[:count - 2] + 1
         return count, torch.cat([torch.tensor([0, size.real - 1]), middle]).sort().values
 
-    def _group(self, shrunk: _Problem, settings: dict) -> _Problem:
+    def _group(self, shrunk: _Problem, settings: dict, leaves_only: bool = False) -> _Problem:
         """The confirmation of the sizes of ``settings`` ({size: (length, sampled rows or None)})."""
         real = [size for size, (_, rows) in settings.items() if rows is None]
         parts = [f"size {size} on {length} sampled rows" for size, (length, rows) in settings.items()
@@ -1187,10 +1209,8 @@ class _Plan:
                          f"sizes {', '.join(map(repr, real))} at their real lengths")
         lengths = {**shrunk.lengths, **{size: length for size, (length, _) in settings.items()}}
         rows = {size: rows for size, (_, rows) in settings.items() if rows is not None}
-        problem = self._problem("confirming " + " and ".join(parts), lengths, rows, ("magnitudes",),
-                                repairs=shrunk.repairs, base=shrunk)
-        problem.settings = settings
-        return problem
+        return self._problem("confirming " + " and ".join(parts), lengths, rows, ("magnitudes",),
+                             repairs=shrunk.repairs, base=shrunk, leaves_only=leaves_only)
 
     def _confirmation(self, shrunk: _Problem, size: _Size, primes: list) -> _Problem:
         """A symbol at its hint, the other sizes shrunk (OverBudget where that does not fit)."""
@@ -1225,9 +1245,11 @@ class _Plan:
 
     # -- sizing a problem -------------------------------------------------------------------------
     def _problem(self, label: str, lengths: dict, rows: dict, probes: tuple, check: bool = True,
-                 repairs: Optional[dict] = None, base: Optional[_Problem] = None) -> _Problem:
+                 repairs: Optional[dict] = None, base: Optional[_Problem] = None,
+                 leaves_only: bool = False) -> _Problem:
         """The problem at ``lengths``: every node's shape, from a run on meta tensors, or (``base``: the
-        shrunk problem, of which one static size changes) derived from base's shapes."""
+        shrunk problem, of which one static size changes) derived from base's shapes; ``leaves_only``:
+        the inputs' shapes only (what its size is judged by first)."""
         problem = _Problem(label, lengths, rows, probes, ints=self.ints)
         problem.repairs = dict(repairs or {})  # node -> {real value: the per-dim size its arguments follow}
         problem.node_values = {node: {real: lengths[size] for real, size in named.items() if size in lengths}
@@ -1246,6 +1268,8 @@ class _Plan:
                     lengths[problem.dims[(leaf, d)]] if (leaf, d) in problem.dims else
                     products.get(s, s) if isinstance(s, int) else _at(s, problem.symbols)
                     for d, s in enumerate(value.shape))
+        if leaves_only:
+            return problem
         if not lengths and not check:  # the real shapes: the traced ones
             for node in self.v.nodes:
                 value = node.meta.get("val")
@@ -1992,13 +2016,14 @@ def _evaluate(nodes: list, env: dict, problem: _Problem, fallback=None, keep: Op
             if fallback is None or n not in fallback:
                 return Raised(Unvalidatable(f"{n.name} has no value"))
             env[n] = fallback[n]
-        args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda n: env[n])
-        values = {**problem.values, **problem.node_values[node]} if node in problem.node_values else problem.values
-        if values and node not in problem.plain:
-            if values.keys().isdisjoint(_ints_of(node, problem.ints)):
-                problem.plain.add(node)  # no integer argument of it changes: none to remap
-            else:
-                args, kwargs = _remapped((args, kwargs), values)
+        template = problem.templates.get(node)
+        if template is None:  # (the node's arguments with its integers remapped: once per problem)
+            template = node.args, node.kwargs
+            values = {**problem.values, **problem.node_values[node]} if node in problem.node_values else problem.values
+            if values and not values.keys().isdisjoint(_ints_of(node, problem.ints)):
+                template = _remapped(template, values)
+            problem.templates[node] = template
+        args, kwargs = torch.fx.map_arg(template, lambda n: env[n])
         if precise:
             args, kwargs = _widened((args, kwargs), precise)
         if problem.derived and not meta and not any(isinstance(env[n], torch.Tensor) for n in node.all_input_nodes):
@@ -2061,7 +2086,7 @@ def _call(node: Node, args, kwargs, problem: _Problem, meta: bool):
         kwargs = {k: ("meta" if k == "device" else v) for k, v in kwargs.items()}
         if target is torch.ops.higher_order.run_with_rng_state:
             return args[1](*args[2:], **kwargs)
-        shaped = _meta_by_rule(node, args)
+        shaped = _meta_by_rule(node, args, kwargs)
         if shaped is not None:
             return shaped
     if target in _ARANGES and problem.rows:
@@ -2073,41 +2098,93 @@ def _call(node: Node, args, kwargs, problem: _Problem, meta: bool):
 
 
 # ops whose result has the broadcast shape of their tensor arguments (pointwise ops), or the shape of the
-# first one (these): their meta kernels are Python, and slow (a softmax backward's takes ~0.4 ms)
+# first one (these), or that concatenate or reduce: their meta kernels are Python, and slow (a softmax
+# backward's takes ~0.4 ms, a cat's ~0.3 ms)
 _SHAPE_OF_FIRST = (aten._softmax.default, aten._log_softmax.default, aten._softmax_backward_data.default,
                    aten._log_softmax_backward_data.default, aten._to_copy.default, aten.clone.default,
                    torch.ops.prims.convert_element_type.default)
 _SAME_SHAPES = (aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)  # (grad, output)
-_SHAPE_RULES: dict = {}  # id(op) -> (op, "first" | "broadcast" | None)
+_REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default)  # (input, dim, keepdim)
+_SHAPE_RULES: dict = {}  # id(op) -> (op, "first" | "broadcast" | "cat" | "reduce" | None)
 
 
-def _meta_by_rule(node: Node, args: tuple) -> Optional[torch.Tensor]:
+def _meta_by_rule(node: Node, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
     """A meta value of node's shape (its traced dtype, its dims in the traced order) where a rule gives
     the shape from its arguments': a pointwise op broadcasts them, a softmax (or a cast) keeps the first
-    one's; None for any other op, which runs its meta kernel. Raises as the kernel would where the
-    arguments' shapes do not fit (the shrink changed what the program computes)."""
+    one's, a cat sums its dim, a reduction drops (or keeps as 1) its dims; None for any other op, which
+    runs its meta kernel. Raises as the kernel would where the arguments' shapes do not fit (the shrink
+    changed what the program computes)."""
     target = node.target
     found = _SHAPE_RULES.get(id(target))
     if found is None or found[0] is not target:
         rule = None
         if isinstance(target, torch._ops.OpOverload) and len(target._schema.returns) == 1:
-            rule = "first" if target in _SHAPE_OF_FIRST else "broadcast" if torch.Tag.pointwise in target.tags else None
+            rule = "first" if target in _SHAPE_OF_FIRST else "cat" if target == aten.cat.default else \
+                "reduce" if target in _REDUCTIONS else "broadcast" if torch.Tag.pointwise in target.tags else None
         found = _SHAPE_RULES[id(target)] = (target, rule)
     rule, value = found[1], node.meta.get("val")
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if rule is None or not tensors or not isinstance(value, torch.Tensor) or value._has_symbolic_sizes_strides \
-            or 0 in value.stride():
+    if rule is None or not isinstance(value, torch.Tensor) or value._has_symbolic_sizes_strides or 0 in value.stride():
         return None
-    if rule == "first":
-        shape = tuple(tensors[0].shape)
-        if target in _SAME_SHAPES and tuple(tensors[1].shape) != shape:
-            raise RuntimeError(f"{target}: grad {list(shape)} and output {list(tensors[1].shape)} differ")
+    if rule == "cat":
+        shape = _cat_shape(args, kwargs)
+    elif rule == "reduce":
+        shape = _reduced_shape(args, kwargs)
     else:
-        shape = _broadcast([tuple(t.shape) for t in tensors])
-    if len(shape) != value.dim():
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if not tensors:
+            return None
+        if rule == "first":
+            shape = tuple(tensors[0].shape)
+            if target in _SAME_SHAPES and tuple(tensors[1].shape) != shape:
+                raise RuntimeError(f"{target}: grad {list(shape)} and output {list(tensors[1].shape)} differ")
+        else:
+            shape = _broadcast([tuple(t.shape) for t in tensors])
+    if shape is None or len(shape) != value.dim():
         return None
     stored, inverse = _layout(value, list(shape))
     return _arranged(torch.empty(stored, dtype=value.dtype, device="meta"), inverse, list(shape))
+
+
+def _cat_shape(args: tuple, kwargs: dict) -> Optional[tuple]:
+    """aten.cat's shape (RuntimeError, as its kernel, where the inputs' other dims differ; None where
+    a legacy empty 1-D input or an unusual argument leaves it to the kernel)."""
+    tensors = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if not tensors or not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in tensors) or \
+            any(t.dim() == 1 and t.shape[0] == 0 for t in tensors) or type(dim) is not int:
+        return None
+    rank = tensors[0].dim()
+    if not -rank <= dim < rank:
+        raise IndexError(f"cat: dim {dim} out of range for {rank} dims")
+    dim %= rank
+    first = list(tensors[0].shape)
+    for t in tensors[1:]:
+        shape = list(t.shape)
+        if len(shape) != rank or shape[:dim] + shape[dim + 1:] != first[:dim] + first[dim + 1:]:
+            raise RuntimeError(f"cat: sizes of tensors must match except in dimension {dim}: {first} and {shape}")
+    return tuple(first[:dim] + [sum(t.shape[dim] for t in tensors)] + first[dim + 1:])
+
+
+def _reduced_shape(args: tuple, kwargs: dict) -> Optional[tuple]:
+    """A reduction's shape over its dims (all of them for none or []), kept as 1 with keepdim."""
+    x = args[0]
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    if not isinstance(x, torch.Tensor) or type(keepdim) is not bool:
+        return None
+    rank = x.dim()
+    if dims is None or (isinstance(dims, (list, tuple)) and not dims):
+        dims = range(rank)
+    elif type(dims) is int:
+        dims = [dims]
+    elif not all(type(d) is int for d in dims):
+        return None
+    if rank == 0:
+        return None
+    if any(not -rank <= d < rank for d in dims):
+        raise IndexError(f"dim {list(dims)} out of range for {rank} dims")
+    reduced = {d % rank for d in dims}
+    return tuple(1 if d in reduced else n for d, n in enumerate(x.shape) if keepdim or d not in reduced)
 
 
 def _broadcast(shapes: list) -> tuple:

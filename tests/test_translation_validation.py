@@ -781,7 +781,7 @@ def test_a_meta_run_gives_pointwise_ops_and_softmaxes_the_shape_their_meta_kerne
     args = [torch.empty(s, device="meta") if op is not torch.ops.aten.where.self or i else
             torch.empty(s, dtype=torch.bool, device="meta") for i, s in enumerate(shapes)]
     node.meta["val"] = op(*args, *extra)
-    ruled = validate._meta_by_rule(node, (*args, *extra))
+    ruled = validate._meta_by_rule(node, (*args, *extra), {})
     assert ruled is not None and ruled.shape == node.meta["val"].shape and ruled.dtype == node.meta["val"].dtype
     assert ruled.stride() == node.meta["val"].stride()
 
@@ -795,13 +795,44 @@ def test_a_meta_run_by_rule_raises_where_the_shrunk_shapes_do_not_fit():
     mul.meta["val"] = torch.empty(3, 5, device="meta")
     mm.meta["val"] = torch.empty(3, 3, device="meta")
     with pytest.raises(RuntimeError, match="do not broadcast"):
-        validate._meta_by_rule(mul, (torch.empty(3, 5, device="meta"), torch.empty(3, 7, device="meta")))
+        validate._meta_by_rule(mul, (torch.empty(3, 5, device="meta"), torch.empty(3, 7, device="meta")), {})
     sbd = graph.call_function(torch.ops.aten._softmax_backward_data.default, (a, b, -1, torch.float32))
     sbd.meta["val"] = torch.empty(3, 5, device="meta")
     with pytest.raises(RuntimeError, match="differ"):
         validate._meta_by_rule(sbd, (torch.empty(3, 5, device="meta"), torch.empty(3, 7, device="meta"), -1,
-                                     torch.float32))
-    assert validate._meta_by_rule(mm, (torch.empty(3, 4, device="meta"), torch.empty(4, 3, device="meta"))) is None
+                                     torch.float32), {})
+    assert validate._meta_by_rule(mm, (torch.empty(3, 4, device="meta"), torch.empty(4, 3, device="meta")), {}) is None
+    cat = graph.call_function(torch.ops.aten.cat.default, ([a, b], -1))
+    cat.meta["val"] = torch.empty(3, 12, device="meta")
+    with pytest.raises(RuntimeError, match="must match except in dimension 1"):
+        validate._meta_by_rule(cat, ([torch.empty(3, 5, device="meta"), torch.empty(4, 7, device="meta")], -1), {})
+    with pytest.raises(IndexError, match="out of range"):
+        validate._meta_by_rule(cat, ([torch.empty(3, 5, device="meta"), torch.empty(3, 7, device="meta")], 2), {})
+
+
+@pytest.mark.parametrize("op, shapes, args, kwargs", [
+    (torch.ops.aten.cat.default, [(3, 5), (3, 7)], (-1,), {}),
+    (torch.ops.aten.cat.default, [(2, 5), (4, 5), (1, 5)], (), {}),
+    (torch.ops.aten.cat.default, [(2, 5), (0,)], (), {}),  # (a legacy empty input: left to the kernel)
+    (torch.ops.aten.mean.dim, [(3, 5, 7)], ([-1], True), {}),
+    (torch.ops.aten.mean.dim, [(3, 5, 7)], ([0, 2],), {}),
+    (torch.ops.aten.sum.dim_IntList, [(3, 5, 7)], ([],), {"keepdim": True}),  # [] is every dim
+    (torch.ops.aten.sum.dim_IntList, [(3, 5, 7)], (None,), {}),
+    (torch.ops.aten.amax.default, [(3, 5)], ([1],), {}),
+])
+def test_a_meta_run_gives_cats_and_reductions_the_shape_their_meta_kernel_gives(op, shapes, args, kwargs):
+    graph = torch.fx.Graph()
+    tensors = [torch.empty(s, device="meta") for s in shapes]
+    node = graph.call_function(op, ([graph.placeholder(f"x{i}") for i in range(len(shapes))], *args)
+                               if op is torch.ops.aten.cat.default else (graph.placeholder("x"), *args), kwargs)
+    call = ((tensors, *args) if op is torch.ops.aten.cat.default else (tensors[0], *args))
+    node.meta["val"] = op(*call, **kwargs)
+    ruled = validate._meta_by_rule(node, call, kwargs)
+    if shapes[-1] == (0,):
+        assert ruled is None
+    else:
+        assert ruled is not None and ruled.shape == node.meta["val"].shape and ruled.dtype == node.meta["val"].dtype
+        assert ruled.stride() == node.meta["val"].stride()
 
 
 def test_a_meta_run_by_rule_keeps_the_traced_dim_order_of_a_permuted_result():
@@ -810,5 +841,5 @@ def test_a_meta_run_by_rule_keeps_the_traced_dim_order_of_a_permuted_result():
     node = graph.call_function(torch.ops.aten.neg.default, (x,))
     transposed = torch.empty(3, 5, device="meta").t()  # [5, 3], strides (1, 5): neg keeps that order
     node.meta["val"] = torch.ops.aten.neg.default(transposed)
-    ruled = validate._meta_by_rule(node, (transposed,))
+    ruled = validate._meta_by_rule(node, (transposed,), {})
     assert ruled.shape == (5, 3) and ruled.stride() == node.meta["val"].stride() == (1, 5)
