@@ -134,6 +134,7 @@ import dataclasses
 import functools
 import logging
 import math
+import random
 import warnings
 from typing import Any, Iterable, Optional
 
@@ -160,6 +161,7 @@ BRIDGE_HOPS = 6  # how far back a shared input is traced to the values it is com
 PERIODIC_FROM = 1 << 14  # inputs with more elements are windows of one periodic sequence (see _uniform)
 SCALED_UP_TO = 1 << 20  # the magnitudes probe scales inputs of at most this many elements (a larger one is a weight)
 PERIOD = 65521  # the largest prime below 2^16
+PYTHON_DRAWS_UP_TO = 4096  # index inputs of at most this many entries are drawn with Python's random
 PHASE = 64  # inputs drawn from one periodic sequence start position * PHASE into it (mod PERIOD, aligned:
 # a matmul reads a 64-byte-aligned weight ~1.5x faster)
 GREEDY_TRIES = 12  # sizes tried one at a time (the largest savings) when shrinking all of them at once fails
@@ -527,6 +529,7 @@ class _Validation:
     # -- the plan ------------------------------------------------------------------------------
     def run(self) -> Optional[str]:
         self.periodic: dict = {}  # (dtype, device) -> the sequence large inputs are windows of (_Draws._sequence)
+        self.patterns: dict = {}  # the magnitudes probe's factors per block count (_scale_rows)
         plan = _Plan(self)
         for problem in plan.problems():
             try:
@@ -910,7 +913,8 @@ class _Plan:
             yield real
             return
         primes = _primes(self.taken)
-        shrunk = self._shrink(sizes, primes, probes, real)
+        # (every probe but magnitudes: the confirmations below run it with each size at its real length)
+        shrunk = self._shrink(sizes, primes, tuple(p for p in probes if p != "magnitudes"), real)
         if shrunk is None:
             self._fits(real)
             yield real
@@ -1054,6 +1058,10 @@ class _Plan:
                 for node in self.v.nodes:
                     if size.real in _ints_of(node, self.ints):
                         options.setdefault(node, {}).setdefault(size.real, []).append(size)
+        for node, reals in options.items():  # the size whose inputs are nearest the node first
+            for queue in reals.values():
+                if len(queue) > 1:
+                    queue.sort(key=lambda size: self._distance(node, size))
         repairs = {node: {real: queue[0] for real, queue in reals.items()} for node, reals in options.items()}
         self.blamed = frozenset()
         for _ in range(sum(len(q) for reals in options.values() for q in reals.values()) + 1):
@@ -1073,6 +1081,19 @@ class _Plan:
                     reals[real].pop(0)
                     repairs[node] = {r: queue[0] for r, queue in reals.items()}
         return None
+
+    def _distance(self, node: Node, size: _Size) -> int:
+        """How many edges of the rewrite (either way) lie between node and an input with a dim of ``size``."""
+        targets = {leaf for leaf, _ in size.dims}
+        inside = set(self.v.nodes)
+        seen, frontier, hops = {node}, [node], 0
+        while frontier:
+            if any(n in targets for n in frontier):
+                return hops
+            frontier = [n for f in frontier for n in (*f.all_input_nodes, *f.users) if n in inside and n not in seen]
+            seen.update(frontier)
+            hops += 1
+        return hops + len(inside)
 
     def _parts_of(self, node: Node) -> set:
         """The sizes a node's split sizes or cat inputs sum, and theirs in turn (576 = 512 + 64)."""
@@ -1737,9 +1758,9 @@ def _sym_repr(x: Any) -> Any:
     return str(x) if _is_sym(x) else x
 
 
-def _stride_order(value: torch.Tensor) -> list:
+def _stride_order(value: torch.Tensor, strides: Optional[list] = None) -> list:
     """The input's dims, outermost first (by the traced strides at their hints)."""
-    strides = [_hint(s) for s in value.stride()]
+    strides = [_hint(s) for s in value.stride()] if strides is None else strides
     return sorted(range(value.dim()), key=lambda d: -strides[d])
 
 
@@ -1776,7 +1797,7 @@ def _layout(value: torch.Tensor, shape: list) -> tuple:
     dims outermost first and an expanded dim once, the permutation that gives the leaf's dim order)."""
     strides = [_hint(s) for s in value.stride()]
     dense = [1 if st == 0 else sz for sz, st in zip(shape, strides)]  # expanded dims are drawn once
-    order = _stride_order(value)
+    order = _stride_order(value, strides)
     return [dense[d] for d in order], [order.index(d) for d in range(len(shape))]
 
 
@@ -1788,6 +1809,7 @@ class _Draws:
         self.v = validation
         self.problem = problem
         self._undo: list = []  # how to turn the inputs back into the uniform draw after a probe
+        self._layouts: dict = {}  # leaf -> (its shape, how it is allocated: _layout)
         self.lowered = 0  # how often the magnitudes probe was drawn lower (see lower_magnitudes)
 
     def bound(self, use: _IndexUse) -> int:
@@ -1856,8 +1878,11 @@ class _Draws:
         g = self._generator(value.device, gen)
         if leaf in self.v.rng_states:  # a recorded generator state, the same on both sides
             return torch.Generator(device=value.device).manual_seed(self.v.seed).get_state().to(value.device)
-        shape = self.problem.leaf_shape(leaf)
-        stored, inverse = _layout(value, shape)
+        layout = self._layouts.get(leaf)  # (the same for every probe of the problem)
+        if layout is None:
+            shape = self.problem.leaf_shape(leaf)
+            layout = self._layouts[leaf] = (shape, *_layout(value, shape))
+        shape, stored, inverse = layout
         drawn = self._values(stored, value.dtype, value.device, g, leaf, position, probe, tuple(shape))
         return _arranged(drawn, inverse, shape)
 
@@ -1873,7 +1898,8 @@ class _Draws:
                 if isinstance(value, torch.Tensor) and value.dtype.to_real() == real and value.device == device:
                     values = math.prod(self.problem.leaf_shape(leaf)) * (2 if value.dtype.is_complex else 1)
                     longest = max(longest, values if values > PERIODIC_FROM else 0)
-            sequence = self.v.periodic[(real, device)] = _periodic(longest + PERIOD, real, device, g)
+            block = sequence[:PERIOD] if sequence is not None else None  # (a longer one repeats the same block)
+            sequence = self.v.periodic[(real, device)] = _periodic(longest + PERIOD, real, device, g, block)
         return sequence
 
     def _values(self, shape, dtype, device, g, leaf: Node, position: int, probe: str, logical=()) -> torch.Tensor:
@@ -1886,7 +1912,7 @@ class _Draws:
             drawn = self._base[leaf][1]
             real = torch.view_as_real(drawn) if dtype.is_complex else drawn
             if probe == "magnitudes" and real.numel() <= SCALED_UP_TO:  # in place, by powers of two: undone exactly
-                self._undo.append(_scale_rows(real, dtype, position, self.lowered))
+                self._undo.append(_scale_rows(real, dtype, position, self.lowered, self.v.patterns))
             elif probe in PLANTED:
                 self._undo.append(_plant(real, PLANTED[probe], g))
             return drawn
@@ -1897,6 +1923,10 @@ class _Draws:
         if uses:
             bound = min(self.bound(u) for u in uses)
             repeats = probe == "repeated indices" and all(u.repeats for u in uses) and numel > 1
+            python = all(u.python for u in uses)  # (then some are counted from the end)
+            if numel <= PYTHON_DRAWS_UP_TO:  # (a tensor op per step costs more than drawing them one by one)
+                rows = _index_rows(random.Random(self.v.seed * PERIOD + position), bound, numel, repeats, python)
+                return torch.tensor(rows, dtype=dtype, device=device).view(shape)
             if repeats:  # the second half repeats the first: each duplicate writes another value
                 half = (numel + 1) // 2
                 rows = torch.randperm(bound, generator=g, device=device)[:half] if half <= bound else \
@@ -1906,7 +1936,7 @@ class _Draws:
                 rows = torch.randperm(bound, generator=g, device=device)[:numel]
             else:
                 rows = torch.randint(0, max(bound, 1), (numel,), generator=g, device=device)
-            if all(u.python for u in uses) and numel:  # some of them counted from the end
+            if python and numel:
                 flip = torch.rand(numel, generator=g, device=device) < 0.5
                 flip[0] = True
                 rows = torch.where(flip, rows - bound, rows)
@@ -1914,6 +1944,24 @@ class _Draws:
         info = torch.iinfo(dtype)
         low, high = (info.min, info.max + 1) if info.bits <= 8 else (max(info.min, -64), 65)
         return torch.randint(low, high, shape, generator=g, device=device, dtype=dtype)
+
+
+def _index_rows(rng: random.Random, bound: int, numel: int, repeats: bool, python: bool) -> list:
+    """numel valid indices into ``bound`` rows, as _Draws._values draws them: distinct where there are at
+    most as many as rows, the second half repeating the first for ``repeats``, and (``python``) about
+    half of them, the first always, counted from the end."""
+    def some(k: int) -> list:
+        return rng.sample(range(bound), k) if k <= bound else [rng.randrange(max(bound, 1)) for _ in range(k)]
+
+    if repeats:
+        half = (numel + 1) // 2
+        rows = some(half)
+        rows += rows[:numel - half]
+    else:
+        rows = some(numel)
+    if python:
+        rows = [r - bound if i == 0 or rng.random() < 0.5 else r for i, r in enumerate(rows)]
+    return rows
 
 
 def _uniform(shape: list, dtype: torch.dtype, device, g: torch.Generator, shared: Optional[torch.Tensor] = None,
@@ -1943,9 +1991,12 @@ def _uniform(shape: list, dtype: torch.dtype, device, g: torch.Generator, shared
     return torch.view_as_complex(drawn) if dtype.is_complex else drawn
 
 
-def _periodic(numel: int, dtype: torch.dtype, device, g: torch.Generator) -> torch.Tensor:
-    """numel values repeating a uniform block of PERIOD values (a copy, not a draw per element)."""
-    block = torch.empty(PERIOD, dtype=dtype, device=device).uniform_(-1, 1, generator=g)
+def _periodic(numel: int, dtype: torch.dtype, device, g: torch.Generator,
+              block: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """numel values repeating a uniform block of PERIOD values (a copy, not a draw per element): the
+    given one, else a new one."""
+    if block is None:
+        block = torch.empty(PERIOD, dtype=dtype, device=device).uniform_(-1, 1, generator=g)
     return block.repeat(-(-numel // PERIOD))[:numel]
 
 
@@ -1956,7 +2007,8 @@ def _lowered(levels: tuple, times: int) -> tuple:
     return levels
 
 
-def _scale_rows(values: torch.Tensor, dtype: torch.dtype, position: int, lowered: int = 0):
+def _scale_rows(values: torch.Tensor, dtype: torch.dtype, position: int, lowered: int = 0,
+                patterns: Optional[dict] = None):
     """Blocks of the input times powers of two that change from block to block (in place); returns
     how to undo it. A block is a slice along the outermost dims (enough of them for every level to
     appear), so the rows an op reduces or contracts over (a last-dim row, a weight's rows for one
@@ -1973,8 +2025,13 @@ def _scale_rows(values: torch.Tensor, dtype: torch.dtype, position: int, lowered
     blocks = values.view(-1, 1) if values.dim() == 1 else values.view(math.prod(values.shape[:lead]), -1)
     # block i gets levels[(i + position) % len(levels)]: the levels turned by position, repeated
     turned = levels[position % len(levels):] + levels[:position % len(levels)]
-    pattern = torch.tensor(turned, dtype=values.dtype, device=values.device)
-    pattern = pattern.repeat(-(-blocks.shape[0] // len(levels)))[:blocks.shape[0], None]
+    key = (turned, blocks.shape[0], values.dtype, values.device)  # (``patterns``: those made so far)
+    pattern = patterns.get(key) if patterns is not None else None
+    if pattern is None:
+        pattern = torch.tensor(turned, dtype=values.dtype, device=values.device)
+        pattern = pattern.repeat(-(-blocks.shape[0] // len(levels)))[:blocks.shape[0], None]
+        if patterns is not None:
+            patterns[key] = pattern
     blocks.mul_(pattern)
     return lambda: blocks.div_(pattern)
 
