@@ -145,7 +145,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
 
-from .graph_utils import attribute, describe, draws_random, mutates, uninitialized
+from .graph_utils import attribute, describe, draws_random, mutates, pure_aten_op, uninitialized
 from .lowering.registry import size_limits_lifted
 
 log = logging.getLogger("npu_fuse")
@@ -435,6 +435,14 @@ class _Validation:
         return kept | set(self.outputs) | set(self.outputs.values())
 
     @functools.cached_property
+    def constants(self) -> frozenset:
+        """The nodes of either side made from their arguments alone (the replacement's ``full`` of ones for
+        a scale its op needs), which no node writes: computed once per problem, shared by its probes."""
+        return frozenset(node for node in [*self.original, *self.inserted] if node.op == "call_function" and
+                         not node.all_input_nodes and pure_aten_op(node.target) and
+                         not any(mutates(user.target) for user in node.users))
+
+    @functools.cached_property
     def reference_dtype(self) -> torch.dtype:
         floats = [leaf.meta["val"].dtype for leaf in self.leaves if _is_float_tensor(leaf)]
         narrow = floats and all(torch.finfo(d).bits <= 16 for d in floats)
@@ -627,6 +635,12 @@ class _Validation:
         for leaf in _mutated_leaves(nodes, set(self.leaves)):
             env[leaf] = env[leaf].clone()
         reference = self.reference_dtype if precise else None
+        if self.constants and not precise:
+            if problem.constants is None:
+                made = _evaluate([n for n in [*self.original, *self.inserted] if n in self.constants], {}, problem)
+                problem.constants = made if isinstance(made, dict) else {}
+            env.update(problem.constants)
+            nodes = [n for n in nodes if n not in problem.constants]
         base = _evaluate(self.bridge, env, problem, precise=reference)
         if isinstance(base, Raised):
             if precise:
@@ -851,6 +865,7 @@ class _Problem:
     decoded: dict = dataclasses.field(default_factory=dict)  # a derived size's length -> its real value (a sum, a product)
     summing: set = dataclasses.field(default_factory=set)  # the repaired nodes whose own sizes make a sum
     templates: dict = dataclasses.field(default_factory=dict)  # node -> its (args, kwargs), integers remapped
+    constants: Optional[dict] = None  # the values of _Validation.constants here, once computed
     derived: bool = False  # node shapes derived from the shrunk problem's, checked as the nodes run
     ints: dict = dataclasses.field(default_factory=dict)  # node -> the integers of its arguments (the plan's)
 
@@ -1907,11 +1922,14 @@ class _Draws:
             if leaf not in self._base:
                 numel = math.prod(shape) * (2 if dtype.is_complex else 1)
                 shared = self._sequence(dtype, device, g, numel) if numel > PERIODIC_FROM else None
-                self._base[leaf] = (logical, _uniform(shape, dtype, device, g, shared, position,
-                                                      owned=numel <= SCALED_UP_TO))
+                self._base[leaf] = (logical, _uniform(shape, dtype, device, g, shared, position))
             drawn = self._base[leaf][1]
             real = torch.view_as_real(drawn) if dtype.is_complex else drawn
-            if probe == "magnitudes" and real.numel() <= SCALED_UP_TO:  # in place, by powers of two: undone exactly
+            if probe == "magnitudes" and real.numel() <= SCALED_UP_TO:
+                if real.numel() > PERIODIC_FROM:  # (a window of the shared sequence: scaled into a copy)
+                    scaled = _scale_rows(real, dtype, position, self.lowered, self.v.patterns, copy=True)
+                    return torch.view_as_complex(scaled) if dtype.is_complex else scaled
+                # in place, by powers of two: undone exactly
                 self._undo.append(_scale_rows(real, dtype, position, self.lowered, self.v.patterns))
             elif probe in PLANTED:
                 self._undo.append(_plant(real, PLANTED[probe], g))
@@ -1965,16 +1983,15 @@ def _index_rows(rng: random.Random, bound: int, numel: int, repeats: bool, pytho
 
 
 def _uniform(shape: list, dtype: torch.dtype, device, g: torch.Generator, shared: Optional[torch.Tensor] = None,
-             position: int = 0, owned: bool = True) -> torch.Tensor:
+             position: int = 0) -> torch.Tensor:
     """Uniform in [-1, 1). An input of more than ``PERIODIC_FROM`` elements repeats a random block of a
     prime length along its memory: no two of its rows, nor two elements of a row, coincide for rows
     shorter than the period, and drawing it costs a copy rather than a random number per element.
     With ``shared`` (such a sequence, at least PERIOD longer than the input: :meth:`_Draws._sequence`)
     the input is a window of it starting at a phase of its own (``position``: no two inputs alike), so
-    one block is drawn per rewrite and dtype; ``owned``: a copy of the window (a probe scales it in
-    place), else the window itself, so that the memory touched is the largest input's, not the sum of
-    all (an MLA's weights). Windows overlap: they are for inputs no probe scales in place (a planted
-    value is restored before the next probe)."""
+    one block is drawn per rewrite and dtype, and the memory touched is the largest input's, not the
+    sum of all (an MLA's weights). Windows overlap: no probe scales one in place (the magnitudes probe
+    scales a copy), and a planted value is restored before the next probe."""
     numel = math.prod(shape)
     width = 2 if dtype.is_complex else 1
     if numel * width <= PERIODIC_FROM:
@@ -1986,7 +2003,6 @@ def _uniform(shape: list, dtype: torch.dtype, device, g: torch.Generator, shared
     else:
         start = position * PHASE % (PERIOD - PERIOD % PHASE)
         flat = shared[start:start + numel * width]
-        flat = flat.clone() if owned else flat
     drawn = flat.view(*shape, 2) if dtype.is_complex else flat.view(shape)
     return torch.view_as_complex(drawn) if dtype.is_complex else drawn
 
@@ -2008,9 +2024,9 @@ def _lowered(levels: tuple, times: int) -> tuple:
 
 
 def _scale_rows(values: torch.Tensor, dtype: torch.dtype, position: int, lowered: int = 0,
-                patterns: Optional[dict] = None):
+                patterns: Optional[dict] = None, copy: bool = False):
     """Blocks of the input times powers of two that change from block to block (in place); returns
-    how to undo it. A block is a slice along the outermost dims (enough of them for every level to
+    how to undo it (``copy``: the scaled copy, the input untouched). A block is a slice along the outermost dims (enough of them for every level to
     appear), so the rows an op reduces or contracts over (a last-dim row, a weight's rows for one
     output feature or one head) keep one magnitude: mixing magnitudes inside a reduction would make
     the problem ill-conditioned rather than test large values. A 1-D input scales element by element."""
@@ -2032,6 +2048,8 @@ def _scale_rows(values: torch.Tensor, dtype: torch.dtype, position: int, lowered
         pattern = pattern.repeat(-(-blocks.shape[0] // len(levels)))[:blocks.shape[0], None]
         if patterns is not None:
             patterns[key] = pattern
+    if copy:
+        return (blocks * pattern).view(values.shape)
     blocks.mul_(pattern)
     return lambda: blocks.div_(pattern)
 
