@@ -860,7 +860,7 @@ class _Problem:
     node_values: dict = dataclasses.field(default_factory=dict)  # node -> {int argument: value} for that node
     symbols: dict = dataclasses.field(default_factory=dict)  # sympy symbol -> its value here
     dims: dict = dataclasses.field(default_factory=dict)  # (leaf, dim) -> _Size
-    precise: bool = True  # the magnitudes probe's float64 reference fits the budget
+    precise_fits: Any = True  # the magnitudes probe's float64 reference fits the budget (or how to find out)
     repairs: dict = dataclasses.field(default_factory=dict)
     decoded: dict = dataclasses.field(default_factory=dict)  # a derived size's length -> its real value (a sum, a product)
     summing: set = dataclasses.field(default_factory=set)  # the repaired nodes whose own sizes make a sum
@@ -872,6 +872,13 @@ class _Problem:
     @property
     def where(self) -> str:
         return f", {self.label}" if self.label else ""
+
+    @property
+    def precise(self) -> bool:
+        """The magnitudes probe's float64 reference fits the budget (sized where a verdict first needs it)."""
+        if callable(self.precise_fits):
+            self.precise_fits = self.precise_fits()
+        return self.precise_fits
 
     def leaf_shape(self, leaf: Node) -> list:
         return list(self.shapes[leaf])
@@ -1459,7 +1466,7 @@ class _Plan:
 
     def _fits(self, problem: _Problem, held: Optional[int] = None) -> None:
         if held is None and not problem.lengths and self._at_most(problem) <= MEMORY_BUDGET:
-            problem.precise = True  # (a small rewrite at its real shapes: fits either way)
+            problem.precise_fits = True  # (a small rewrite at its real shapes: fits either way)
             return
         held = self._bytes(problem) if held is None else held
         if held > MEMORY_BUDGET:
@@ -1467,7 +1474,7 @@ class _Plan:
             raise OverBudget(f"{what} needs {held / 2 ** 20:.0f} MB (> {MEMORY_BUDGET >> 20} MB): no size "
                              f"can shrink consistently far enough")
         # the magnitudes probe's float64 reference, where it fits (else that probe uses the plain tolerance)
-        problem.precise = self._bytes(problem, precise=True) <= MEMORY_BUDGET
+        problem.precise_fits = lambda: self._bytes(problem, precise=True) <= MEMORY_BUDGET
 
 
 def _derive_shapes(problem: _Problem, base: _Problem, leaves: list) -> bool:
@@ -1666,8 +1673,7 @@ def _ints_of(node: Node, cache: dict) -> frozenset:
     """The integers in a node's arguments (kept in ``cache``: a plan asks of each node many times)."""
     found = cache.get(node)
     if found is None:
-        found = cache[node] = frozenset(x for x in torch.utils._pytree.tree_leaves((node.args, node.kwargs))
-                                        if type(x) is int)
+        found = cache[node] = frozenset(_argument_ints(node))
     return found
 
 
@@ -1679,10 +1685,15 @@ def _taken_numbers(nodes: list) -> dict:
         value = node.meta.get("val")
         if isinstance(value, torch.Tensor):
             sizes.update(s for s in value.shape if isinstance(s, int))
-        for x in torch.utils._pytree.tree_leaves((node.args, node.kwargs)):
-            if type(x) is int:
-                arguments.add(abs(x))
+        arguments.update(abs(x) for x in _argument_ints(node))
     return {"sizes": sizes, "arguments": arguments, "all": sizes | arguments}
+
+
+def _argument_ints(node: Node) -> list:
+    """The integers in a node's arguments (its lists, tuples and dicts walked)."""
+    found: list = []
+    _mapped((node.args, node.kwargs), lambda x: found.append(x) if type(x) is int else None)
+    return found
 
 
 def _primes(taken: dict) -> list:
