@@ -67,7 +67,7 @@ shapes, runs at its real shapes with every probe (so does one that shrinking wou
 much smaller, e.g. an MLA prologue whose weights' sizes the op fixes, if it fits the budget).
 Otherwise:
 
-1. *Shrunk run*, every probe: each size of at least ``SHRINK_FROM`` becomes a distinct small
+1. *Shrunk run*, every probe but ``magnitudes``: each size of at least ``SHRINK_FROM`` becomes a distinct small
    prime, both in the inputs and in the integer arguments equal to it (and to its products
    with neighbouring sizes: a flattened view, ``view(q, [-1, heads, 192])``; and to its sums with
    the others of a split's sizes or a cat's inputs: a fused projection's 2112 = 1536 + 576 rows,
@@ -92,14 +92,18 @@ Otherwise:
    are symbols: the shrunk run sets each one to a small value that satisfies every guard of the
    graph's shape environment.
 2. *Confirmation*, of every shrunk size (or symbol) at its real length (the hint of a symbol),
-   the other sizes shrunk, on the ``magnitudes`` probe, so every position of every dim is
-   evaluated once at its real place. The static sizes that fit the budget at their real lengths
-   all at once are confirmed together, in one evaluation (each reads what no shrink touches: an
-   MLA's weights), the others one at a time. Where one exceeds the budget (a long sequence, a
-   paged cache's blocks), the size is confirmed on ``SAMPLE_ROWS`` sampled rows instead: the
-   rows include the first and the last, and an ``arange`` of that length yields the sampled
-   rows' real positions. A paged cache's blocks and block size are confirmed in turn, the
-   other one shrunk, its slots remapped into that smaller cache (a whole cache is never copied).
+   the other sizes shrunk, on the ``magnitudes`` probe (which the shrunk run leaves to it), so every
+   position of every dim is evaluated once at its real place, with large values. The static sizes are
+   packed into groups (first fit, largest first) whose inputs hold at most ``CONFIRM_ELEMENTS``
+   elements (judged from the inputs' shapes; a complete group is then sized against the memory
+   budget, and one over it confirmed size by size): an MLA's hidden size with its heads, nope dim and
+   block size, its q latent with its kv latent (the parts of a sum go together where they fit: each
+   row of a fused projection at its real place), never both dims of a weight at their real lengths,
+   which would be the real compute the shrink spares. A size whose real length alone exceeds that
+   (a long sequence, a paged cache's blocks) is confirmed on ``SAMPLE_ROWS`` (or the next free prime)
+   sampled rows instead, packed likewise: the rows include the first and the last, an ``arange`` of
+   that length yields the sampled rows' real positions, and a cache's slots are drawn in the smaller
+   cache (a whole cache is never copied). Symbols are confirmed one at a time.
 3. A symbolic graph runs once more, ``uniform``, at a second small value of every symbol.
 
 **Budget.** Every evaluation is sized before it runs, from its nodes' shapes: those of a run on
@@ -107,9 +111,13 @@ meta tensors, or for a confirmation those of the shrunk problem with the confirm
 their new lengths (each node's shape is checked as it runs, a factory's before it allocates): it may
 hold at most ``MEMORY_BUDGET`` bytes at once (inputs, clones of what a side mutates, the
 live intermediates of one side, a fused kernel's temporaries, the float64 reference where it
-runs); outputs are compared block by block. A weight is drawn as a repeated random block of a
-prime length (cheap, and no two of its rows alike; the weights no probe scales are windows of one
-such sequence, each at a phase of its own) and reused by every problem of the rewrite. A rewrite that no problem of the plan fits is refused
+runs); outputs are compared block by block; a confirmation's inputs hold at most ``CONFIRM_ELEMENTS``
+elements (its share of the time budget). An input of more than ``PERIODIC_FROM`` elements (a weight)
+is a window of one repeated random block of a prime length per dtype, at a phase of its own (cheap,
+and no two of its rows alike; the magnitudes probe scales a copy), and every draw is reused by the
+next problem of the rewrite where its shape is the same. Evaluations dispatch as a compiled program's
+run does: without the Python dispatcher a compile enables (under it every op call is ~6x slower), and
+without autograd or view tracking. A rewrite that no problem of the plan fits is refused
 ("could not be validated within the budget: ..."), or kept with a warning and a mark in its
 report under ``config.keep_unvalidated_rewrites``. Nothing ships unchecked silently.
 

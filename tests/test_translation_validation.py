@@ -2,6 +2,7 @@
 replaces on random inputs; a difference is a near-miss, never a rewrite."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -362,6 +363,55 @@ def problems_seen(monkeypatch) -> list:
 
     monkeypatch.setattr(validate._Validation, "_compare", recording)
     return seen
+
+
+def test_evaluations_dispatch_as_a_compiled_program_runs_without_the_python_dispatcher(monkeypatch):
+    """A compile enables the Python dispatcher (every op call ~6x slower under it); the validator's
+    evaluations run without it, and without autograd, as the compiled program's run does."""
+    states = []
+    call = validate._call
+
+    def recording(node, args, kwargs, problem, meta):
+        keys = torch._C._dispatch_tls_local_include_set()
+        states.append((meta, keys.has(torch._C.DispatchKey.PythonDispatcher), torch.is_grad_enabled()))
+        return call(node, args, kwargs, problem, meta)
+
+    monkeypatch.setattr(validate, "_call", recording)
+    callers = []
+    check = fusion.check_rewrite
+
+    def entered(*args, **kwargs):
+        callers.append(torch._C._dispatch_tls_local_include_set().has(torch._C.DispatchKey.PythonDispatcher))
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(fusion, "check_rewrite", entered)
+    out, reports = compile_fused(rope, *rope_args(seq=64))
+    assert fused_ops(reports) == ["rotary_mul"]
+    assert callers and all(callers)  # (the compile calls the validator with it on)
+    real = [s for s in states if not s[0]]
+    assert real and not any(python or grad for _, python, grad in real)
+
+
+def test_confirmations_group_sizes_up_to_confirm_elements_and_sample_a_size_too_large_alone(monkeypatch):
+    """Sizes are confirmed together while the inputs stay within CONFIRM_ELEMENTS; a size whose real
+    length alone exceeds it is confirmed on sampled rows (in a group where one has room), and a kernel
+    wrong only past the shrunk rows is still refused there."""
+    seen = problems_seen(monkeypatch)
+    monkeypatch.setattr(validate, "FULL_ELEMENTS", 2000)
+    args = rope_args(seq=256)  # x [2, 256, 3, 16], cos/sin [256, 16]
+    out, reports = compile_fused(rope, *args)
+    assert fused_ops(reports) == ["rotary_mul"]
+    (confirmation,) = [label for label, _, _ in seen if label.startswith("confirming")]
+    assert "size 256" in confirmation and "real length" in confirmation  # (all of them in one evaluation)
+    seen.clear()
+    validate.forget_shown_equal()
+    monkeypatch.setattr(validate, "CONFIRM_ELEMENTS", 3000)  # the 256 rows alone: ~7K input elements
+    out, reports = compile_fused(rope, *args)
+    assert fused_ops(reports) == ["rotary_mul"]
+    confirmations = [(label, shapes) for label, shapes, _ in seen if label.startswith("confirming")]
+    sampled = [shapes for label, shapes in confirmations if "size 256" in label and "sampled rows" in label]
+    assert sampled and sampled[0]["arg0_1"][1] < 256
+    assert all(sum(math.prod(shape) for shape in shapes.values()) <= 3000 for _, shapes in confirmations)
 
 
 def test_large_inputs_run_shrunk_then_each_size_at_its_real_length(monkeypatch):
