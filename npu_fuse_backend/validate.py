@@ -1159,8 +1159,10 @@ class _Plan:
         memory budget: an MLA's hidden size goes with its heads, not with its q latent, for together
         they are its weight at the real shape, the real compute a shrunk size spares. The parts of a
         sum go together where they fit (a fused projection's 1536 + 512 + 64 rows: each row at its real
-        place). A size whose real length alone exceeds either bound is confirmed on ``SAMPLE_ROWS``
-        sampled rows (a paged cache's blocks), packed likewise. Symbols are confirmed one at a time."""
+        place). A size whose real length alone exceeds ``CONFIRM_ELEMENTS`` is confirmed on
+        ``SAMPLE_ROWS`` sampled rows (a paged cache's blocks), packed likewise; a group over the memory
+        budget, size by size (sampled where the real length alone is over it). Symbols are confirmed one
+        at a time."""
         settings = {size: self._confirmed_length(shrunk, size, primes) for size in shrunk.lengths
                     if size.symbol is None}
         groups: list = []  # {size: (length, sampled rows or None)} per group
@@ -1239,9 +1241,11 @@ class _Plan:
 
     def _confirmed_length(self, shrunk: _Problem, size: _Size, primes: list) -> tuple:
         """(length, rows): (its real length, None), or where that alone exceeds ``CONFIRM_ELEMENTS``,
-        sampled rows (:meth:`_sampled`)."""
-        return (size.real, None) if self._small(shrunk, {size: (size.real, None)}) else \
-            self._sampled(shrunk, size, primes)
+        sampled rows (:meth:`_sampled`), where there are fewer of them than its real length."""
+        if self._small(shrunk, {size: (size.real, None)}):
+            return size.real, None
+        sampled = self._sampled(shrunk, size, primes)
+        return sampled if sampled[0] < size.real else (size.real, None)
 
     def _sampled(self, shrunk: _Problem, size: _Size, primes: list) -> tuple:
         """(a prime count of rows, the rows: the first and the last among them, the others at random)."""
@@ -2098,29 +2102,37 @@ def _evaluate(nodes: list, env: dict, problem: _Problem, fallback=None, keep: Op
     """The values of nodes (in order) added to env, or Raised; env holds the values they read.
     Integer arguments follow the problem's sizes; an ``arange`` of a sampled size gives its rows'
     real positions; values no later node reads are dropped unless in ``keep``."""
-    last = {}
-    if keep is not None:
-        for i, node in enumerate(nodes):
-            for n in node.all_input_nodes:
+    inputs = [node.all_input_nodes for node in nodes]  # (a property that builds its list per call)
+    freed: list = [()] * len(nodes)
+    if keep is not None:  # after node i, the values of the nodes whose last use it is
+        last = {}
+        for i, reads in enumerate(inputs):
+            for n in reads:
                 last[n] = i
-    inside = set(nodes)
+        inside = set(nodes)
+        for n, i in last.items():
+            if n in inside and n not in keep:
+                freed[i] = (*freed[i], n)
+    checked = problem.derived and not meta
+    templates = problem.templates
     for i, node in enumerate(nodes):
-        missing = [n for n in node.all_input_nodes if n not in env]
-        for n in missing:
-            if fallback is None or n not in fallback:
-                return Raised(Unvalidatable(f"{n.name} has no value"))
-            env[n] = fallback[n]
-        template = problem.templates.get(node)
+        reads = inputs[i]
+        for n in reads:
+            if n not in env:
+                if fallback is None or n not in fallback:
+                    return Raised(Unvalidatable(f"{n.name} has no value"))
+                env[n] = fallback[n]
+        template = templates.get(node)
         if template is None:  # (the node's arguments with its integers remapped: once per problem)
             template = node.args, node.kwargs
             values = {**problem.values, **problem.node_values[node]} if node in problem.node_values else problem.values
             if values and not values.keys().isdisjoint(_ints_of(node, problem.ints)):
                 template = _remapped(template, values)
-            problem.templates[node] = template
-        args, kwargs = torch.fx.map_arg(template, lambda n: env[n])
+            templates[node] = template
+        args, kwargs = torch.fx.map_arg(template, env.__getitem__)
         if precise:
             args, kwargs = _widened((args, kwargs), precise)
-        if problem.derived and not meta and not any(isinstance(env[n], torch.Tensor) for n in node.all_input_nodes):
+        if checked and not any(isinstance(env[n], torch.Tensor) for n in reads):
             _shape_checked(node, _call(node, args, kwargs, problem, meta=True), problem)  # (a factory: before it allocates)
         key = _meta_key(node, args, kwargs, problem) if memo is not None else None
         if key is not None and key in memo:
@@ -2132,12 +2144,10 @@ def _evaluate(nodes: list, env: dict, problem: _Problem, fallback=None, keep: Op
                 memo[key] = env[node]
         except Exception as exc:  # an outcome to compare, like a value (its traceback, which holds the
             return Raised(exc.with_traceback(None), node)  # evaluation's frames and their tensors, dropped)
-        if problem.derived and not meta:
+        if checked:
             _shape_checked(node, env[node], problem)
-        if keep is not None:
-            for n in node.all_input_nodes:
-                if n in inside and last.get(n) == i and n not in keep:
-                    env.pop(n, None)
+        for n in freed[i]:
+            env.pop(n, None)
     return env
 
 
