@@ -1163,13 +1163,13 @@ class _Plan:
         ``SAMPLE_ROWS`` sampled rows (a paged cache's blocks), packed likewise; a group over the memory
         budget, size by size (sampled where the real length alone is over it). Symbols are confirmed one
         at a time."""
-        settings = {size: self._confirmed_length(shrunk, size, primes) for size in shrunk.lengths
-                    if size.symbol is None}
         groups: list = []  # {size: (length, sampled rows or None)} per group
-        for unit in self._units(list(settings)):
-            if not self._placed(shrunk, groups, {size: settings[size] for size in unit}):
-                for size in unit:  # (the parts of a sum one at a time, where together they are too large)
-                    self._placed(shrunk, groups, {size: settings[size]})
+        for unit in self._units([size for size in shrunk.lengths if size.symbol is None]):
+            if len(unit) > 1 and self._placed(shrunk, groups, {size: (size.real, None) for size in unit}):
+                continue
+            for size in unit:  # (the parts of a sum one at a time, where together they are too large)
+                if not self._placed(shrunk, groups, {size: (size.real, None)}):
+                    self._placed(shrunk, groups, {size: self._sampled(shrunk, size, primes)}, alone=True)
         for group in groups:
             problem = self._group(shrunk, group)
             held = self._bytes(problem)
@@ -1183,14 +1183,14 @@ class _Plan:
             if size.symbol is not None:
                 yield self._confirmation(shrunk, size, primes)
 
-    def _placed(self, shrunk: _Problem, groups: list, settings: dict) -> bool:
-        """Settings added to the first group that stays small with them, else as a new group: False
-        where they are a sum's parts that are too large together."""
+    def _placed(self, shrunk: _Problem, groups: list, settings: dict, alone: bool = False) -> bool:
+        """Settings added to the first group that stays small with them, else as a new group where they
+        are small alone (``alone``: in any case); False where they are not."""
         for group in groups:
             if self._small(shrunk, {**group, **settings}):
                 group.update(settings)
                 return True
-        if len(settings) > 1 and not self._small(shrunk, settings):
+        if not alone and not self._small(shrunk, settings):
             return False
         groups.append(dict(settings))
         return True
@@ -1239,17 +1239,12 @@ class _Plan:
         units = list({id(unit): unit for unit in unit_of.values()}.values())
         return sorted(units, key=lambda unit: -max(size.real for size in unit))
 
-    def _confirmed_length(self, shrunk: _Problem, size: _Size, primes: list) -> tuple:
-        """(length, rows): (its real length, None), or where that alone exceeds ``CONFIRM_ELEMENTS``,
-        sampled rows (:meth:`_sampled`), where there are fewer of them than its real length."""
-        if self._small(shrunk, {size: (size.real, None)}):
-            return size.real, None
-        sampled = self._sampled(shrunk, size, primes)
-        return sampled if sampled[0] < size.real else (size.real, None)
-
     def _sampled(self, shrunk: _Problem, size: _Size, primes: list) -> tuple:
-        """(a prime count of rows, the rows: the first and the last among them, the others at random)."""
+        """(a prime count of rows, the rows: the first and the last among them, the others at random), or
+        (its real length, None) where there are not more rows than that."""
         count = next(p for p in primes if p >= SAMPLE_ROWS and p not in shrunk.lengths.values())
+        if count >= size.real:
+            return size.real, None
         g = torch.Generator().manual_seed(self.v.seed)
         middle = torch.randperm(size.real - 2, generator=g)[:count - 2] + 1
         return count, torch.cat([torch.tensor([0, size.real - 1]), middle]).sort().values
