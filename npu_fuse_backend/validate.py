@@ -444,12 +444,18 @@ class _Validation:
         return kept | set(self.outputs) | set(self.outputs.values())
 
     @functools.cached_property
-    def constants(self) -> frozenset:
+    def constants(self) -> tuple:
         """The nodes of either side made from their arguments alone (the replacement's ``full`` of ones for
         a scale its op needs), which no node writes: computed once per problem, shared by its probes."""
-        return frozenset(node for node in [*self.original, *self.inserted] if node.op == "call_function" and
-                         not node.all_input_nodes and pure_aten_op(node.target) and
-                         not any(mutates(user.target) for user in node.users))
+        return tuple(node for node in [*self.original, *self.inserted] if node.op == "call_function" and
+                     not node.all_input_nodes and pure_aten_op(node.target) and
+                     not any(mutates(user.target) for user in node.users))
+
+    @functools.cached_property
+    def mutated(self) -> dict:
+        """{id of a side's node list: the leaves it writes}: cloned before that side runs."""
+        leaves = set(self.leaves)
+        return {id(nodes): _mutated_leaves(nodes, leaves) for nodes in (self.original, self.inserted)}
 
     @functools.cached_property
     def reference_dtype(self) -> torch.dtype:
@@ -641,12 +647,12 @@ class _Validation:
         their values here; ``reuse``: such a record, whose nodes take their recorded values and
         whose other stable nodes are not needed (see :attr:`stable`)."""
         env = dict(values)
-        for leaf in _mutated_leaves(nodes, set(self.leaves)):
+        for leaf in self.mutated[id(nodes)]:
             env[leaf] = env[leaf].clone()
         reference = self.reference_dtype if precise else None
         if self.constants and not precise:
             if problem.constants is None:
-                made = _evaluate([n for n in [*self.original, *self.inserted] if n in self.constants], {}, problem)
+                made = _evaluate(list(self.constants), {}, problem)
                 problem.constants = made if isinstance(made, dict) else {}
             env.update(problem.constants)
             nodes = [n for n in nodes if n not in problem.constants]
@@ -1182,7 +1188,7 @@ class _Plan:
                     yield self._alone(shrunk, size, group[size], primes)
         for size in shrunk.lengths:
             if size.symbol is not None:
-                yield self._confirmation(shrunk, size, primes)
+                yield self._alone(shrunk, size, (size.real, None), primes)
 
     def _placed(self, shrunk: _Problem, groups: list, settings: dict, alone: bool = False) -> bool:
         """Settings added to the first group that stays small with them, else as a new group where they
@@ -1203,13 +1209,16 @@ class _Plan:
 
     def _alone(self, shrunk: _Problem, size: _Size, setting: tuple, primes: list) -> _Problem:
         """A size's confirmation by itself: at its length (``setting``) where that fits the memory budget,
-        else on sampled rows (OverBudget where even that does not fit)."""
+        else on sampled rows (OverBudget where even that does not fit; a symbol is never sampled)."""
         if setting[1] is None:
             problem = self._group(shrunk, {size: setting})
             held = self._bytes(problem)
             if held <= MEMORY_BUDGET:
                 self._fits(problem, held)
                 return problem
+            if size.symbol is not None:
+                raise OverBudget(f"symbol {size} at its hint {size.real} needs {held >> 20} MB "
+                                 f"(> {MEMORY_BUDGET >> 20} MB)")
             setting = self._sampled(shrunk, size, primes)
         problem = self._group(shrunk, {size: setting})
         self._fits(problem)
@@ -1262,17 +1271,6 @@ class _Plan:
         rows = {size: rows for size, (_, rows) in settings.items() if rows is not None}
         return self._problem("confirming " + " and ".join(parts), lengths, rows, ("magnitudes",),
                              repairs=shrunk.repairs, base=shrunk, leaves_only=leaves_only)
-
-    def _confirmation(self, shrunk: _Problem, size: _Size, primes: list) -> _Problem:
-        """A symbol at its hint, the other sizes shrunk (OverBudget where that does not fit)."""
-        problem = self._problem(f"confirming size {size} at its real length", {**shrunk.lengths, size: size.real},
-                                {}, ("magnitudes",), repairs=shrunk.repairs, base=shrunk)
-        held = self._bytes(problem)
-        if held > MEMORY_BUDGET:
-            raise OverBudget(f"symbol {size} at its hint {size.real} needs {held >> 20} MB "
-                             f"(> {MEMORY_BUDGET >> 20} MB)")
-        self._fits(problem, held)
-        return problem
 
     # -- symbols --------------------------------------------------------------------------------
     def _hint(self, symbol) -> int:
@@ -1388,18 +1386,12 @@ class _Plan:
         """Per side (the subgraph, the replacement): the leaves it mutates (cloned first), its nodes each
         with the values freed after it (their last use; the outputs are kept), and its fused nodes."""
         v = self.v
-        leaves = set(v.leaves)
         sides = []
         for nodes in (v.original, v.inserted):
-            last, inside = {}, set(nodes)
-            for i, node in enumerate(nodes):
-                for n in node.all_input_nodes:
-                    last[n] = i
-            schedule = [(node, [n for n in node.all_input_nodes if n in inside and last[n] == i and n not in v.kept])
-                        for i, node in enumerate(nodes)]
+            schedule = list(zip(nodes, _freed_after(nodes, [node.all_input_nodes for node in nodes], v.kept)))
             fused = [node for node in nodes if isinstance(node.target, torch._ops.OpOverload) and
                      node.target.namespace == "npu_fuse" or node.target is torch.ops.higher_order.auto_functionalized_v2]
-            sides.append((_mutated_leaves(nodes, leaves), schedule, fused))
+            sides.append((v.mutated[id(nodes)], schedule, fused))
         return tuple(sides)
 
     def _bytes(self, problem: _Problem, precise: bool = False) -> int:
@@ -2099,16 +2091,7 @@ def _evaluate(nodes: list, env: dict, problem: _Problem, fallback=None, keep: Op
     Integer arguments follow the problem's sizes; an ``arange`` of a sampled size gives its rows'
     real positions; values no later node reads are dropped unless in ``keep``."""
     inputs = [node.all_input_nodes for node in nodes]  # (a property that builds its list per call)
-    freed: list = [()] * len(nodes)
-    if keep is not None:  # after node i, the values of the nodes whose last use it is
-        last = {}
-        for i, reads in enumerate(inputs):
-            for n in reads:
-                last[n] = i
-        inside = set(nodes)
-        for n, i in last.items():
-            if n in inside and n not in keep:
-                freed[i] = (*freed[i], n)
+    freed = _freed_after(nodes, inputs, keep) if keep is not None else [()] * len(nodes)
     checked = problem.derived and not meta
     templates = problem.templates
     for i, node in enumerate(nodes):
@@ -2145,6 +2128,21 @@ def _evaluate(nodes: list, env: dict, problem: _Problem, fallback=None, keep: Op
         for n in freed[i]:
             env.pop(n, None)
     return env
+
+
+def _freed_after(nodes: list, inputs: list, keep: set) -> list:
+    """Per node (``inputs``: the nodes each reads), the values of ``nodes`` whose last use it is, but
+    those in ``keep``: what an evaluation frees after running it."""
+    last = {}
+    for i, reads in enumerate(inputs):
+        for n in reads:
+            last[n] = i
+    freed: list = [()] * len(nodes)
+    inside = set(nodes)
+    for n, i in last.items():
+        if n in inside and n not in keep:
+            freed[i] = (*freed[i], n)
+    return freed
 
 
 def _meta_key(node: Node, args, kwargs, problem: _Problem) -> Optional[tuple]:
