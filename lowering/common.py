@@ -17,6 +17,21 @@ def rotate(x: torch.Tensor, mode: str) -> torch.Tensor:
     return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
 
 
+SMALL_MATMUL_ELEMENTS = 1 << 16  # a 16-bit matmul whose operands hold at most this many runs in float32
+
+
+def half_matmul(op, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``op(a, b)`` (``torch.mm`` or ``torch.bmm``) of 16-bit tensors: products accumulated in float32
+    and rounded once, as oneDNN's 16-bit kernels and the NPU's cube unit compute them. Small CPU
+    operands (both of one 16-bit dtype, at most ``SMALL_MATMUL_ELEMENTS`` together) are multiplied in
+    float32: oneDNN builds a kernel for each new shape (~0.7 ms), more than such a product costs.
+    Anything else (other dtypes, a mismatch eager refuses) is ``op(a, b)`` itself."""
+    if a.dtype in HALF_DTYPES and b.dtype == a.dtype and a.device.type == b.device.type == "cpu" \
+            and a.numel() + b.numel() <= SMALL_MATMUL_ELEMENTS:
+        return op(a.float(), b.float()).to(a.dtype)
+    return op(a, b)
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp16/bf16 compute in fp32 and round once, as the NPU kernels do."""
     return torch.float32 if dtype in HALF_DTYPES else dtype

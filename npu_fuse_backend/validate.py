@@ -155,6 +155,7 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
 
 from .graph_utils import attribute, describe, draws_random, mutates, pure_aten_op, uninitialized
+from .lowering.common import half_matmul
 from .lowering.registry import size_limits_lifted
 
 log = logging.getLogger("npu_fuse")
@@ -195,6 +196,7 @@ _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, at
           aten.select.int, aten.permute.default, aten.transpose.int, aten.t.default, aten.alias.default,
           aten.as_strided.default, aten.unflatten.int, aten.flatten.using_ints}
 _INDEX_PASSTHROUGH = _VIEWS | {aten._to_copy.default, aten.clone.default, torch.ops.prims.convert_element_type.default}
+_MATMULS = (aten.mm.default, aten.bmm.default)
 _ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
 
 
@@ -2196,6 +2198,8 @@ def _call(node: Node, args, kwargs, problem: _Problem, meta: bool):
         if sampled is not None:
             dtype = kwargs.get("dtype") or node.meta["val"].dtype
             return sampled.to(dtype=dtype, device="meta" if meta else kwargs.get("device", "cpu"))
+    if target in _MATMULS and len(args) == 2 and not kwargs:  # (small 16-bit operands in float32, rounded
+        return half_matmul(target, *args)  # once: what oneDNN computes, without its kernel build per shape)
     return target(*args, **kwargs)
 
 

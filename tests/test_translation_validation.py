@@ -15,6 +15,7 @@ import models
 from models import rope, rotate_every_two
 from npu_fuse_backend import fusion, validate
 from npu_fuse_backend.demo_models import DeepSeekMLA, MLAConfig
+from npu_fuse_backend.lowering.common import half_matmul
 from npu_fuse_backend.passes.mla_preprocess import MlaPreprocessFusion
 from npu_fuse_backend.passes.partial_rope import PartialRopeFusion
 from npu_fuse_backend.passes.rope import RopeFusion
@@ -895,3 +896,27 @@ def test_a_meta_run_by_rule_keeps_the_traced_dim_order_of_a_permuted_result():
     node.meta["val"] = torch.ops.aten.neg.default(transposed)
     ruled = validate._meta_by_rule(node, (transposed,), {})
     assert ruled.shape == (5, 3) and ruled.stride() == node.meta["val"].stride() == (1, 5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("op, shapes", [(torch.mm, [(4, 23), (23, 100)]), (torch.bmm, [(7, 4, 13), (7, 13, 17)])])
+def test_small_16_bit_matmuls_run_in_float32_rounded_once_as_onednn_computes_them(op, shapes, dtype):
+    """The validator's (and the MLA kernel's) 16-bit matmuls: small operands multiplied in float32 and
+    rounded once (oneDNN's 16-bit kernels accumulate in float32 too, but build a kernel per new shape);
+    large ones, other dtypes and what eager refuses go to the op itself."""
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(s, generator=g).to(dtype) for s in shapes)
+    got, eager = half_matmul(op, a, b), op(a, b)
+    assert torch.equal(got, op(a.float(), b.float()).to(dtype))
+    assert (got.shape, got.dtype, got.stride()) == (eager.shape, eager.dtype, eager.stride())
+    exact = op(a.double(), b.double())
+    eps = torch.finfo(dtype).eps
+    assert ((got.double() - exact).abs() <= eps * exact.abs() + 1e-6).all()  # (one rounding of the exact sum)
+    large = torch.randn(*shapes[0][:-1], 1 << 16, generator=g).to(dtype), \
+        torch.randn(*shapes[1][:-2], 1 << 16, shapes[1][-1], generator=g).to(dtype)
+    assert torch.equal(half_matmul(op, *large), op(*large))
+    with pytest.raises(RuntimeError) as expected:
+        op(a, b.float())
+    with pytest.raises(RuntimeError) as raised:
+        half_matmul(op, a, b.float())
+    assert str(raised.value) == str(expected.value)

@@ -50,7 +50,7 @@ from torch import Tensor
 from npu_fuse_backend.soc import A2_A3, GENERIC
 from npu_fuse_backend.lowering.registry import (decomposition, kernel_size_limits, npu_kernel, refuse_autograd,
                                                 soc_limits)
-from npu_fuse_backend.lowering.common import FLOAT_DTYPES, HALF_DTYPES, rotate
+from npu_fuse_backend.lowering.common import FLOAT_DTYPES, HALF_DTYPES, half_matmul, rotate
 
 __all__ = ["mla_preprocess"]  # public entry points (npu_fuse.ops)
 
@@ -302,9 +302,9 @@ def mla_preprocess_stages(a: dict) -> dict:
                                              a["quant_offset1"], a["wuq"], a["descale1"], a["bias1"])
     else:
         # matmuls in the input dtype (fp32 accumulation), as the NPU's cube unit computes them
-        qkv = x @ a["wdqkv"].t()
+        qkv = half_matmul(torch.mm, x, a["wdqkv"].t())
         q_latent, kv = qkv.split([q_lora, kv_lora + rope], dim=-1)
-        q = rms_norm(q_latent, a["gamma1"], a["beta1"], eps).to(dtype) @ a["wuq"].t()
+        q = half_matmul(torch.mm, rms_norm(q_latent, a["gamma1"], a["beta1"], eps).to(dtype), a["wuq"].t())
     stages["qkv"] = qkv
     heads = a["wuk"].shape[0]
     q_nope, q_rope = q.view(-1, heads, nope + rope).split([nope, rope], dim=-1)
