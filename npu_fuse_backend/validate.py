@@ -2198,8 +2198,8 @@ def _call(node: Node, args, kwargs, problem: _Problem, meta: bool):
         if sampled is not None:
             dtype = kwargs.get("dtype") or node.meta["val"].dtype
             return sampled.to(dtype=dtype, device="meta" if meta else kwargs.get("device", "cpu"))
-    if target in _MATMULS and len(args) == 2 and not kwargs:  # (small 16-bit operands in float32, rounded
-        return half_matmul(target, *args)  # once: what oneDNN computes, without its kernel build per shape)
+    if target in _MATMULS and len(args) == 2 and not kwargs:  # (see half_matmul: each problem has new shapes)
+        return half_matmul(target, *args)
     return target(*args, **kwargs)
 
 

@@ -301,7 +301,7 @@ def mla_preprocess_stages(a: dict) -> dict:
         stages["q_latent_int8"], q = project(q_latent, a["gamma1"], a["beta1"], a["quant_scale1"],
                                              a["quant_offset1"], a["wuq"], a["descale1"], a["bias1"])
     else:
-        # matmuls in the input dtype (fp32 accumulation), as the NPU's cube unit computes them
+        # matmuls of the input dtype, accumulated in fp32 and rounded once (the NPU's cube unit; half_matmul)
         qkv = half_matmul(torch.mm, x, a["wdqkv"].t())
         q_latent, kv = qkv.split([q_lora, kv_lora + rope], dim=-1)
         q = half_matmul(torch.mm, rms_norm(q_latent, a["gamma1"], a["beta1"], eps).to(dtype), a["wuq"].t())
