@@ -9,7 +9,7 @@ TORCH_NPU_DIR := .cache/torch_npu
 VLLM_VENV := .cache/vllm-venv
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: demo test bench test-vllm bench-vllm
+.PHONY: demo test bench test-vllm bench-vllm test-torch
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,3 +47,28 @@ bench-vllm: $(VLLM_VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) benchmarks/fallback_runtime.py
 	$(PY) benchmarks/compile_overhead.py
+
+# The suite on another torch minor (docs/torch-versions.md): a throwaway venv under .cache/ with
+# PyPI's build of that torch (a CUDA build, a few GB; it runs on the CPU) and the torch_npu built for
+# it. Out of `make test`'s path: `make test-torch TORCH=2.10.0` (PYTEST_ARGS narrows the run).
+TORCH ?= 2.10.0
+TORCH_NPU_FOR_2.10.0 := 2.10.0.post4
+TORCH_NPU_FOR_2.11.0 := 2.11.0.post3
+TORCH_NPU_FOR_2.12.0 := 2.12.0.post3
+TORCH_NPU_FOR_2.13.0 := 2.13.0
+TORCH_NPU_FOR_2.14.0 := 2.14.0
+TORCH_NPU_FOR_2.14.1 := 2.14.0
+TORCH_NPU ?= $(or $(TORCH_NPU_FOR_$(TORCH)),$(TORCH))
+MINOR_DIR := .cache/torch-$(TORCH)
+MINOR_PY := $(MINOR_DIR)/venv/bin/python
+PYTEST_ARGS ?=
+
+$(MINOR_DIR)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(MINOR_DIR)/venv
+	$(MINOR_PY) -m pip install -q torch==$(TORCH)
+	$(MINOR_PY) -m pip install -q -e '.[test]' torch==$(TORCH)
+	$(MINOR_PY) -m pip install -q --no-deps --target $(MINOR_DIR)/torch_npu torch_npu==$(TORCH_NPU)
+	touch $@
+
+test-torch: $(MINOR_DIR)/.installed
+	NPU_FUSE_TORCH_NPU_DIR=$(MINOR_DIR)/torch_npu $(MINOR_PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

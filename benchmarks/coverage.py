@@ -13,6 +13,7 @@ farther from it than eager's own step in that precision (1.5x, plus the dtype's 
 
 Run: python benchmarks/coverage.py [--layers 2] [--fallback aot_eager] [--dtype float32]
      python benchmarks/coverage.py --families deepseek-v2 llama4 --fallback inductor --no-precision
+     python benchmarks/coverage.py --families llama deepseek-v3 gpt-neox --tag torch2.10  (in that venv)
 """
 
 import argparse
@@ -121,6 +122,7 @@ def main():
     parser.add_argument("--fallback", choices=("inductor", "aot_eager"), default="aot_eager")
     parser.add_argument("--families", nargs="+", default=None, help=f"a subset of {sorted(BY_NAME)}")
     parser.add_argument("--no-precision", action="store_true", help="skip the training rows in other precisions")
+    parser.add_argument("--tag", default="", help="appended to the results' name (a run on another torch)")
     args = parser.parse_args()
     families = [BY_NAME[name] for name in args.families] if args.families else FAMILIES
     rows = []
@@ -149,6 +151,7 @@ def main():
     misses = sorted({m for row in rows for m in row["near_misses"]})
     name = "coverage" if args.fallback == "aot_eager" and not args.families else \
         f"coverage_{args.fallback}{'_' + '_'.join(args.families) if args.families else ''}"
+    name += f"_{args.tag}" if args.tag else ""
     path = write_results(
         name, rows,
         f"transformers model classes, {args.layers} layers, {args.dtype}, fallback {args.fallback}, eager "

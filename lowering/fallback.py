@@ -27,10 +27,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, GraphModule, Node
 
 from npu_fuse_backend.lowering.registry import DECOMPOSITIONS
+from npu_fuse_backend.torch_compat import INDUCTOR_TAKES_PASS_LISTS, concrete_hint, custom_graph_passes
 
 GraphPass = Callable[[GraphModule, str], Any]
 
@@ -135,11 +136,13 @@ def decompose_fused_ops(gm: GraphModule) -> int:
 
 
 class FusionPrePass(CustomGraphPass):
-    """The fusion passes, then the decomposition of the fused ops, as inductor's
+    """The fusion passes, then the decomposition of the fused ops, then the user's own post-grad pre
+    passes where inductor takes no list of them (``then``, torch 2.10), as inductor's
     ``post_grad_custom_pre_pass`` (forward, backward and inference graphs alike)."""
 
-    def __init__(self, graph_pass: GraphPass):
+    def __init__(self, graph_pass: GraphPass, then: tuple = ()):
         self.graph_pass = graph_pass
+        self.then = tuple(then)
 
     def __call__(self, graph: Graph) -> None:
         from npu_fuse_backend.report import stash_for_compile_cache
@@ -148,6 +151,8 @@ class FusionPrePass(CustomGraphPass):
         report = self.graph_pass(gm, "inductor")
         decompose_fused_ops(gm)
         stash_for_compile_cache(report)  # so that a cache hit can still report it
+        for user_pass in self.then:
+            user_pass(graph)
 
     def uuid(self) -> str:
         """Changes whenever the rewritten graph could: our source, any registered fusion's
@@ -157,11 +162,15 @@ class FusionPrePass(CustomGraphPass):
         from npu_fuse_backend.fusion import registered_fusions
         from npu_fuse_backend.soc import resolve_soc
 
+        user_uuids = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.then]
+        if not all(user_uuids):
+            return None  # a user pass inductor cannot key: it bypasses the cache, as for that pass alone
         with config.patch(getattr(self.graph_pass, "config_snapshot", {})):
             knobs = {**config.save_config_portable(), "soc": resolve_soc()}
         fusions = {name: fusion_digest(cls) for name, cls in registered_fusions().items()}
         pass_name = f"{self.graph_pass.__module__}.{self.graph_pass.__qualname__}"
-        identity = json.dumps([_package_digest(), fusions, pass_name, knobs], sort_keys=True, default=repr)
+        identity = json.dumps([_package_digest(), fusions, pass_name, knobs, user_uuids], sort_keys=True,
+                              default=repr)
         return hashlib.sha256(identity.encode()).hexdigest()
 
 
@@ -321,9 +330,10 @@ def compile_with_inductor(gm: GraphModule, example_inputs, graph_pass: GraphPass
                                                 lambda key: key.replace("-", "_") in known)
     patches = inductor_config_patches(mode, options)
     ignore_npu_settings("inductor", example_inputs, ignored)
-    user_passes = get_custom_graph_passes(
-        patches.get("post_grad_custom_pre_pass", inductor_config.post_grad_custom_pre_pass))
-    patches["post_grad_custom_pre_pass"] = [FusionPrePass(graph_pass), *user_passes]
+    user_passes = custom_graph_passes(patches.get("post_grad_custom_pre_pass",
+                                                  inductor_config.post_grad_custom_pre_pass))
+    patches["post_grad_custom_pre_pass"] = ([FusionPrePass(graph_pass), *user_passes] if INDUCTOR_TAKES_PASS_LISTS
+                                            else FusionPrePass(graph_pass, then=user_passes))
     # compile_fx applies the patches again around the backward, which compiles lazily
     return compile_fx(gm, example_inputs, inner_compile=_reporting_inner_compile, config_patches=patches)
 
@@ -395,10 +405,8 @@ def _dense_order(value) -> Optional[list]:
     """A tensor's dims from outermost to innermost (size-1 and broadcast dims left out)."""
     if not isinstance(value, torch.Tensor):
         return None
-    from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
-
     def hint(x) -> int:
-        return x if isinstance(x, int) else guarding_hint_or_throw(x)
+        return x if isinstance(x, int) else concrete_hint(x)
 
     dims = [d for d in range(value.dim()) if hint(value.shape[d]) != 1 and hint(value.stride()[d]) != 0]
     return sorted(dims, key=lambda d: -hint(value.stride()[d]))

@@ -32,6 +32,7 @@ from torch.fx import GraphModule, Node
 
 from npu_fuse_backend.soc import resolve_soc, unknown_soc_reason
 from npu_fuse_backend.lowering.registry import register_npu_kernels
+from npu_fuse_backend.torch_compat import torch_npu_install_hint
 
 GE_MODE = "max-autotune"  # torchair's GE graph mode (reduce-overhead runs aclgraph, with eager kernels)
 
@@ -43,8 +44,9 @@ TORCH_COMPILE_MODES = {"default": "max-autotune", "max-autotune": "max-autotune"
                        "max-autotune-no-cudagraphs": "max-autotune", "reduce-overhead": "reduce-overhead"}
 
 
-# torchair's CompilerConfig fields by dotted name (torch_npu 2.13.0; ``mode`` is set through mode=),
-# what ``options=`` may set on this lowering; the fallback lowerings ignore them with a warning.
+# torchair's CompilerConfig fields by dotted name (those of torch_npu 2.10.0.post4 to 2.14.0 together;
+# ``mode`` is set through mode=), what ``options=`` may set on this lowering (the installed torchair's
+# own config checks each name there); the fallback lowerings ignore them with a warning.
 # tests/test_configuration.py checks the list against the wheel's config (compiler_config_fields).
 TORCHAIR_OPTIONS = frozenset((
     "aclgraph_config.use_custom_pool", "aoe_config.aoe_config_file", "aoe_config.aoe_mode",
@@ -94,9 +96,9 @@ def import_torchair():
             raise ImportError(
                 f"npu_fuse: the NPU lowering (config.lowering='npu', NPU_FUSE_LOWERING=npu, or "
                 f"npu_fuse.get_npu_backend) needs torchair, which ships inside torch_npu, but importing it "
-                f"failed: {exc}. Install it with `pip install 'npu-fuse[npu]'` (torch_npu==2.13.0; it needs "
-                "the CANN toolkit and an Ascend NPU), or compile without an NPU: backend='npu_fuse' with "
-                "config.lowering='auto' or 'fallback' (config.fallback picks inductor or aot_eager)") from exc
+                f"failed: {exc}. To use it, {torch_npu_install_hint()}; or compile without an NPU: "
+                "backend='npu_fuse' with config.lowering='auto' or 'fallback' (config.fallback picks inductor "
+                "or aot_eager)") from exc
     return torchair
 
 

@@ -25,10 +25,12 @@ from torch.fx import GraphModule
 
 from npu_fuse_backend.lowering.npu import import_torchair, install_pre_pass
 from npu_fuse_backend.lowering.registry import ops_with_npu_kernels, register_npu_kernels
+from npu_fuse_backend.torch_compat import torch_npu_install_hint
 
 LOWERING = "npugraph_ex"
-# npugraph_ex's CompilerConfig fields (torch_npu 2.13.0; its mode is fixed), what ``options=`` may set
-# on this lowering; tests/test_configuration.py checks the list against the wheel (compiler_config_fields).
+# npugraph_ex's CompilerConfig fields (those of torch_npu 2.10.0.post4 to 2.14.0 together; its mode is
+# fixed), what ``options=`` may set on this lowering; tests/test_configuration.py checks the list against
+# the installed wheel (compiler_config_fields).
 NPUGRAPH_EX_OPTIONS = frozenset((
     "capture_error_mode", "capture_limit", "clone_input", "clone_output", "data_dump_dir", "data_dump_stage",
     "deadlock_check", "disable_static_kernel_compile_cache", "dump_tensor_data", "force_eager", "force_recapture",
@@ -69,9 +71,8 @@ def import_npugraph_ex():
             raise ImportError(
                 f"npu_fuse: the npugraph_ex lowering (mode='npugraph_ex' on an NPU, or "
                 f"npu_fuse.get_npugraph_ex_backend) needs npugraph_ex, which ships inside torch_npu, but "
-                f"importing it failed: {exc}. Install it with `pip install 'npu-fuse[npu]'` (torch_npu==2.13.0; "
-                "it needs the CANN toolkit and an Ascend NPU), or compile without an NPU: backend='npu_fuse' "
-                "with config.lowering='auto' or 'fallback'") from exc
+                f"importing it failed: {exc}. To use it, {torch_npu_install_hint()}; or compile without an "
+                "NPU: backend='npu_fuse' with config.lowering='auto' or 'fallback'") from exc
     return npugraph_ex
 
 

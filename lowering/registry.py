@@ -113,7 +113,8 @@ def refuse_autograd(name: str, why: str) -> None:
         with torch._C._AutoDispatchBelowAutograd():
             return op(*args, **kwargs)
 
-    _autograd_guards.impl(name, guard, "Autograd")
+    # replaces the Autograd kernel custom_op registers (torch < 2.13 refuses that without allow_override)
+    _autograd_guards.impl(name, guard, "Autograd", allow_override=True)
 
 
 def npu_kernel(op) -> Callable:

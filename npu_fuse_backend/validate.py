@@ -152,11 +152,11 @@ from torch._dispatch.python import no_python_dispatcher
 from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2_dense
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Node
-from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
 
 from .graph_utils import attribute, describe, draws_random, mutates, pure_aten_op, uninitialized
 from .lowering.common import half_matmul
 from .lowering.registry import size_limits_lifted
+from .torch_compat import concrete_hint
 
 log = logging.getLogger("npu_fuse")
 aten = torch.ops.aten
@@ -916,6 +916,7 @@ class _Plan:
         self.blamed: frozenset = frozenset()  # the sizes the last shrink that broke points to (_try_shrink)
         self.meta_results: dict = {}  # (node, its arguments' metadata) -> its meta value: shrinks tried one
         # after another share most of their nodes' shapes
+        self.hops: dict = {}  # node -> (its distances, the one past them): see _hops_from
 
     @functools.cached_property
     def windows(self) -> tuple:
@@ -1123,16 +1124,23 @@ class _Plan:
 
     def _distance(self, node: Node, size: _Size) -> int:
         """How many edges of the rewrite (either way) lie between node and an input with a dim of ``size``."""
-        targets = {leaf for leaf, _ in size.dims}
+        hops, unreachable = self._hops_from(node)
+        return min((hops[leaf] for leaf, _ in size.dims if leaf in hops), default=unreachable)
+
+    def _hops_from(self, node: Node) -> tuple:
+        """({node of the rewrite: how many edges, either way, from ``node``}, a distance past every one),
+        found once per node."""
+        found = self.hops.get(node)
+        if found is not None:
+            return found
         inside = set(self.v.nodes)
-        seen, frontier, hops = {node}, [node], 0
+        hops, frontier, depth = {node: 0}, [node], 0
         while frontier:
-            if any(n in targets for n in frontier):
-                return hops
-            frontier = [n for f in frontier for n in (*f.all_input_nodes, *f.users) if n in inside and n not in seen]
-            seen.update(frontier)
-            hops += 1
-        return hops + len(inside)
+            depth += 1
+            frontier = [n for f in frontier for n in (*f.all_input_nodes, *f.users) if n in inside and n not in hops]
+            hops.update(dict.fromkeys(frontier, depth))
+        found = self.hops[node] = (hops, depth + len(inside))
+        return found
 
     def _parts_of(self, node: Node) -> set:
         """The sizes a node's split sizes or cat inputs sum, and theirs in turn (576 = 512 + 64)."""
@@ -1795,7 +1803,7 @@ def _stride_order(value: torch.Tensor, strides: Optional[list] = None) -> list:
 def _hint(x: Any) -> Any:
     if _is_sym(x):
         try:
-            return guarding_hint_or_throw(x)
+            return concrete_hint(x)
         except Exception as exc:
             raise Unvalidatable(f"symbolic size {x} has no hint") from exc
     return x

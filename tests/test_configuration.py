@@ -3,6 +3,7 @@ torchair and on inductor, a full torchair CompilerConfig through ``get_npu_backe
 the errors for every value that cannot work."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -120,8 +121,10 @@ def test_get_npu_backend_wants_a_compiler_config(torchair):
 def test_npu_lowering_without_torch_npu_says_what_is_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchair", None)  # as on a machine without torch_npu
     monkeypatch.setitem(sys.modules, "torch_npu", None)
-    message = (r"needs torchair, which ships inside torch_npu, but importing it failed: .*torch_npu.*"
-               r"pip install 'npu-fuse\[npu\]'.*config.lowering='auto'")
+    minor = re.escape(".".join(torch.__version__.split(".")[:2]))
+    message = (r"needs torchair, which ships inside torch_npu, but importing it failed: .*install the torch_npu "
+               rf"built for your torch .* \(torch_npu {minor}\.\*.*`pip install protobuf packaging`.*"
+               r"config.lowering='auto'")
     with config.patch(lowering="npu"), pytest.raises(Exception, match=message):
         torch.compile(rope, backend="npu_fuse")(*rope_args())
     with pytest.raises(ImportError, match=message):
@@ -256,16 +259,24 @@ def test_names_no_lowering_takes_stay_errors(kwargs, message):
         torch.compile(rope, backend="npu_fuse", **kwargs)(*rope_args())
 
 
+# options the supported torch_npu releases after 2.10.0.post4 added (the tables are the union)
+ADDED_AFTER_TORCH_NPU_2_10 = {"ge_config.multistream_parallel_mode", "unsafe_skip_npugraph_capture_validation"}
+
+
 def test_the_npu_option_names_are_the_wheels(torchair):
-    """The fallback knows the NPU lowerings' option names without torch_npu: they must be the pinned wheel's."""
+    """The fallback knows the NPU lowerings' option names without torch_npu: every name of the installed
+    wheel's configs, and only names some supported wheel has."""
     from npugraph_ex_offline import load_npugraph_ex_offline
 
     from npu_fuse_backend.lowering import npu, npugraph_ex
 
-    assert set(npu.compiler_config_fields(torchair.CompilerConfig())) - {"mode"} == npu.TORCHAIR_OPTIONS
+    wheels = set(npu.compiler_config_fields(torchair.CompilerConfig())) - {"mode"}
+    assert wheels <= npu.TORCHAIR_OPTIONS and npu.TORCHAIR_OPTIONS - wheels <= ADDED_AFTER_TORCH_NPU_2_10
     assert tuple(torchair.CompilerConfig().mode.optional) == npu.TORCHAIR_MODES
     ng = load_npugraph_ex_offline()
-    assert set(npugraph_ex.compiler_config_fields(ng.CompilerConfig())) == npugraph_ex.NPUGRAPH_EX_OPTIONS
+    wheels = set(npugraph_ex.compiler_config_fields(ng.CompilerConfig()))
+    assert wheels <= npugraph_ex.NPUGRAPH_EX_OPTIONS
+    assert npugraph_ex.NPUGRAPH_EX_OPTIONS - wheels <= ADDED_AFTER_TORCH_NPU_2_10
 
 
 # -- npu_fuse's own knobs ---------------------------------------------------------------

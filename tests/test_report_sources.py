@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import npu_fuse_backend as nf
@@ -127,7 +128,8 @@ def test_torch_compiler_reset_clears_reports_and_counters():
     assert nf.get_reports() == [] and not torch._dynamo.utils.counters["npu_fuse"]
 
 
-def test_torch_logs_show_graphs_before_and_after_and_near_miss_nodes(tmp_path):
+@pytest.mark.parametrize("graphs", ["npu_fuse_backend.graphs", "npu_fuse_graphs"])
+def test_torch_logs_show_graphs_before_and_after_and_near_miss_nodes(tmp_path, graphs):
     code = ("import torch\n"
             "def f(q, c, s):\n"
             "    return q * c + torch.cat((-q[..., 5:], q[..., :5]), -1) * s\n"
@@ -137,8 +139,15 @@ def test_torch_logs_show_graphs_before_and_after_and_near_miss_nodes(tmp_path):
             "torch.compile(g, backend='npu_fuse')(torch.randn(1, 2, 3, 12), torch.randn(12), torch.randn(12))\n")
     script = tmp_path / "user_script.py"
     script.write_text(code)
-    env = dict(os.environ, TORCH_LOGS="+npu_fuse,npu_fuse_graphs", NPU_FUSE_FALLBACK="aot_eager")
-    err = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, check=True).stderr
+    env = dict(os.environ, TORCH_LOGS=f"+npu_fuse,{graphs}", NPU_FUSE_FALLBACK="aot_eager")
+    run = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True)
+    if graphs == "npu_fuse_graphs" and run.returncode and "Valid settings:" in run.stderr:
+        # torch 2.10 checks TORCH_LOGS at `import torch`, before the artifact of ours is registered:
+        # only the module name is valid there (docs/torch-versions.md)
+        assert "npu_fuse_graphs" in run.stderr.split("Valid settings:")[0]
+        return
+    assert run.returncode == 0, run.stderr
+    err = run.stderr
     assert "before npu_fuse's passes" in err and "after npu_fuse's passes" in err
     assert "torch.ops.npu_fuse.rotary_mul.default" in err.split("after npu_fuse's passes")[-1]
     debug = [line for line in err.splitlines() if "near-miss (rope) at" in line]

@@ -172,11 +172,16 @@ refuse_autograd("inplace_partial_rotary_mul_backward", "an input requires grad (
 
 
 class _InplacePartialRotaryMul(torch.autograd.Function):
+    """In place (x marked dirty), or on a copy of x that it returns (``in_place=False``)."""
+
     @staticmethod
-    def forward(ctx, x, r1, r2, rotary_mode, partial_slice):
+    def forward(ctx, x, r1, r2, rotary_mode, partial_slice, in_place=True):
+        if not in_place:
+            x = x.clone(memory_format=torch.contiguous_format)
         torch.ops.npu_fuse.inplace_partial_rotary_mul(x, r1, r2, rotary_mode=rotary_mode,
                                                       partial_slice=partial_slice)
-        ctx.mark_dirty(x)
+        if in_place:
+            ctx.mark_dirty(x)
         ctx.save_for_backward(r1, r2)
         ctx.rotary_mode, ctx.partial_slice = rotary_mode, partial_slice
         return x
@@ -187,7 +192,7 @@ class _InplacePartialRotaryMul(torch.autograd.Function):
         grad = grad.clone(memory_format=torch.contiguous_format)  # never write into autograd's buffer
         torch.ops.npu_fuse.inplace_partial_rotary_mul_backward(grad, r1, r2, rotary_mode=ctx.rotary_mode,
                                                                partial_slice=ctx.partial_slice)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def inplace_partial_rotary_mul(x: Tensor, r1: Tensor, r2: Tensor, *, rotary_mode: str = "interleave",
@@ -205,7 +210,12 @@ def inplace_partial_rotary_mul(x: Tensor, r1: Tensor, r2: Tensor, *, rotary_mode
         if x.is_leaf:
             raise RuntimeError("npu_fuse.inplace_partial_rotary_mul: a leaf Variable that requires grad "
                                "is being used in an in-place operation; rotate a copy (y = x * 1.0)")
-        _InplacePartialRotaryMul.apply(x, r1, r2, rotary_mode, partial_slice)
+        if torch.compiler.is_compiling():
+            # Dynamo before torch 2.13 drops a mark_dirty output (the later ops read x as if never
+            # rotated, and the backward skips the rotation): compute a copy, write it back
+            x.copy_(_InplacePartialRotaryMul.apply(x, r1, r2, rotary_mode, partial_slice, False))
+        else:
+            _InplacePartialRotaryMul.apply(x, r1, r2, rotary_mode, partial_slice)
         return None
     torch.ops.npu_fuse.inplace_partial_rotary_mul(x, r1, r2, rotary_mode=rotary_mode, partial_slice=partial_slice)
     return None

@@ -1086,12 +1086,19 @@ def made_by_compiler(node: Node) -> bool:
 
 
 def _traced_neighbours(node: Node, hops: int = 4) -> list:
-    """Nodes near node (its users first, then its inputs) that carry the user's code location."""
+    """Nodes near node that carry the user's code location: downstream first (the gradients it computes
+    flow into its attention's own ops; torch 2.10 leaves its outputs' getitems untraced), then either way
+    (its incoming gradient comes from the caller's code)."""
+    return _traced_near(node, hops, lambda n: n.users) or _traced_near(
+        node, hops, lambda n: (*n.users, *n.all_input_nodes))
+
+
+def _traced_near(node: Node, hops: int, neighbours) -> list:
     found, frontier, seen = [], [node], {node}
     for _ in range(hops):
         following = []
         for current in frontier:
-            for near in (*current.users, *current.all_input_nodes):
+            for near in neighbours(current):
                 if near not in seen:
                     seen.add(near)
                     following.append(near)
