@@ -104,3 +104,23 @@ def test_an_uninstalled_checkout_says_to_install_it(tmp_path):
     assert result.returncode != 0
     assert "npu_fuse_backend.lowering is not installed" in result.stderr and "pip install -e ." in result.stderr
     assert "circular import" not in result.stderr
+
+
+def test_wheel_metadata_declares_the_supported_torch_range_and_a_release(installed):
+    """torch 2.10 to 2.14 (docs/torch-versions.md), no torch_npu pin in the npu extra (each torch_npu
+    pins its own torch minor), and the fields an index shows."""
+    (wheel,) = (installed.parent / "wheels").glob("npu_fuse-*.whl")
+    archive = zipfile.ZipFile(wheel)
+    (metadata,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+    lines = archive.read(metadata).decode().splitlines()
+    requires = [line for line in lines if line.startswith("Requires-Dist:")]
+    (torch_pin,) = [line for line in requires if line.startswith("Requires-Dist: torch") and "extra" not in line]
+    assert torch_pin.replace(" ", "") in ("Requires-Dist:torch<2.15,>=2.10", "Requires-Dist:torch>=2.10,<2.15")
+    assert not any("torch_npu" in line or "torch-npu" in line for line in requires)
+    assert {'Requires-Dist: protobuf>=3.13; extra == "npu"', 'Requires-Dist: packaging; extra == "npu"'} <= set(requires)
+    assert "Requires-Python: >=3.10" in lines and "License-File: LICENSE" in lines
+    classifiers = {line.split(": ", 1)[1] for line in lines if line.startswith("Classifier:")}
+    assert {"License :: OSI Approved :: BSD License", "Typing :: Typed", "Programming Language :: Python :: 3.11"} \
+        <= classifiers
+    assert any(line.startswith("Description-Content-Type: text/markdown") for line in lines)
+    assert "# npu_fuse" in archive.read(metadata).decode()  # the README as the long description
