@@ -48,9 +48,10 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/fallback_runtime.py
 	$(PY) benchmarks/compile_overhead.py
 
-# The suite on another torch minor (docs/torch-versions.md): a throwaway venv under .cache/ with
-# PyPI's build of that torch (a CUDA build, a few GB; it runs on the CPU) and the torch_npu built for
-# it. Out of `make test`'s path: `make test-torch TORCH=2.10.0` (PYTEST_ARGS narrows the run).
+# The suite on another torch minor: a throwaway venv under .cache/ with PyPI's build of that torch (a
+# CUDA build, a few GB; it runs on the CPU) and the torch_npu built for it. Out of `make test`'s path:
+# `make test-torch TORCH=2.10.0`. A whole run records its row in docs/torch-versions.md; PYTEST_ARGS
+# narrows a run, which then records nothing.
 TORCH ?= 2.10.0
 TORCH_NPU_FOR_2.10.0 := 2.10.0.post4
 TORCH_NPU_FOR_2.11.0 := 2.11.0.post3
@@ -71,4 +72,7 @@ $(MINOR_DIR)/.installed: setup.cfg pyproject.toml
 	touch $@
 
 test-torch: $(MINOR_DIR)/.installed
-	NPU_FUSE_TORCH_NPU_DIR=$(MINOR_DIR)/torch_npu $(MINOR_PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	NPU_FUSE_TORCH_NPU_DIR=$(MINOR_DIR)/torch_npu $(MINOR_PY) -m pytest -q -p no:cacheprovider \
+		--junitxml=$(MINOR_DIR)/junit.xml $(PYTEST_ARGS); status=$$?; \
+	$(if $(PYTEST_ARGS),,$(MINOR_PY) scripts/torch_versions.py record --junit $(MINOR_DIR)/junit.xml \
+		--torch-npu $(TORCH_NPU);) exit $$status

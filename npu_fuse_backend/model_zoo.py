@@ -10,7 +10,7 @@ Each entry is a model factory with the contract of ``npu-fuse explain module:cal
 returns ``(model, inputs)``. Expected fusions count per layer, plus ``once`` per model (the first
 layer's norm of the embeddings). Attention is transformers' eager implementation, so softmax
 backward is in the graph (SDPA hides it). transformers is an optional dependency: installed
-by the ``zoo`` extra (``pip install 'npu-fuse[zoo]'``) and the ``test`` extra.
+by the ``zoo`` extra (``pip install -e '.[zoo]'``) and the ``test`` extra.
 """
 
 import dataclasses
@@ -28,7 +28,7 @@ def _import_transformers():
         if exc.name != "transformers":
             raise
         raise ModuleNotFoundError("npu_fuse's model zoo builds transformers' own model classes, and transformers is "
-                                  "not installed: pip install 'npu-fuse[zoo]'", name="transformers") from None
+                                  "not installed: pip install -e '.[zoo]' (or transformers==5.23.0)", name="transformers") from None
     return transformers
 
 

@@ -280,4 +280,4 @@ def test_explaining_the_model_zoo_without_transformers_says_how_to_get_it(monkey
     (line,) = [e for e in capsys.readouterr().err.splitlines() if "raised" in e]
     assert line.startswith("npu-fuse explain: npu_fuse_backend.model_zoo:llama() raised ModuleNotFoundError: "
                            "npu_fuse's model zoo builds transformers' own model classes, and transformers is not "
-                           "installed: pip install 'npu-fuse[zoo]'")
+                           "installed: pip install -e '.[zoo]' (or transformers==5.23.0)")
