@@ -39,8 +39,8 @@ def outcome(junit: Path) -> dict:
 
 def commit() -> str:
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                           capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                            f":!{DOC.relative_to(REPO)}"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     return head.stdout.strip() + ("+changes" if dirty else "")
 
 
