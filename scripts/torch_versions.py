@@ -31,7 +31,8 @@ def outcome(junit: Path) -> dict:
         if case.find("failure") is not None or case.find("error") is not None:
             failed.append(name)
         elif (skip := case.find("skipped")) is not None:
-            skipped[(skip.get("message") or "").strip()] += 1
+            reason = re.search(r"Skipped: (.*?)'?\)?$", (skip.text or "").strip())  # a module skipped at collection
+            skipped[reason.group(1) if reason else (skip.get("message") or "").strip()] += 1
         else:
             passed += 1
     return {"passed": passed, "failed": failed, "skipped": skipped, "seconds": seconds}

@@ -45,5 +45,5 @@ def test_the_model_zoo_says_how_to_get_transformers(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # not installed
     with pytest.raises(ModuleNotFoundError, match=r"model zoo builds transformers' own model classes, and "
-                                                  r"transformers is not installed: pip install 'npu-fuse\[zoo\]'"):
+                                                  r"transformers is not installed: pip install -e '\.\[zoo\]'"):
         model_zoo.llama()
