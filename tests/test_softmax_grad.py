@@ -145,11 +145,45 @@ def test_reduction_not_over_last_dim():
     assert any("axes must be the last dim" in r for r in _reasons(fn, torch.randn(2, 3, 8), probs(2, 3, 8), 0.5))
 
 
-def test_reduction_without_keepdim():
+KEPT = {"[..., None]": lambda t: t[..., None], "unsqueeze(-1)": lambda t: t.unsqueeze(-1),
+        "unsqueeze(D)": lambda t: t.unsqueeze(t.dim())}
+
+
+@pytest.mark.parametrize("validation", [True, False])
+@pytest.mark.parametrize("kept", KEPT.values(), ids=KEPT.keys())
+def test_row_sum_restored_by_unsqueeze_is_the_kept_sum(kept, validation):
     def fn(g, p, s):
-        return (p * (g - (g * p).sum(-1)[..., None])) * s
-    out, reports = compile_fused(fn, torch.randn(2, 8), probs(2, 8), 0.5)
+        return (p * (g - kept((g * p).sum(-1)))) * s
+    g, p = torch.randn(2, 4, 8), probs(2, 4, 8)
+    out, reports = compile_fused(fn, g, p, 0.5, translation_validation=validation)
+    assert fused_ops(reports) == ["softmax_grad_ext"]
+    assert_close(out, fn(g, p, 0.5))
+
+
+def test_row_sum_unsqueezed_into_another_dim_is_another_function():
+    def fn(g, p, s):
+        return (p * (g - (g * p).sum(-1).unsqueeze(-2))) * s  # [B, 1, N] against [B, N, N]
+    g, p = torch.randn(2, 8, 8), probs(2, 8, 8)
+    out, reports = compile_fused(fn, g, p, 0.5)
     assert fused_ops(reports) == []
+    assert_close(out, fn(g, p, 0.5))
+
+
+def test_reduction_without_keepdim_or_unsqueeze_stays():
+    def fn(g, p, s):
+        return (p * (g - (g * p).sum(-1))) * s  # [B, N] - [B]: broadcasts over another dim
+    g, p = torch.randn(8, 8), probs(8, 8)
+    out, reports = compile_fused(fn, g, p, 0.5)
+    assert fused_ops(reports) == []
+    assert_close(out, fn(g, p, 0.5))
+
+
+def test_an_unsqueezed_row_sum_used_elsewhere_blocks_fusion():
+    def fn(g, p, s):
+        total = (g * p).sum(-1)
+        return (p * (g - total.unsqueeze(-1))) * s, total
+    reasons = _reasons(fn, torch.randn(2, 8), probs(2, 8), 0.5)
+    assert any("used outside the subgraph" in r for r in reasons)
 
 
 def test_rank_seven_is_refused():
