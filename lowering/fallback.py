@@ -405,11 +405,9 @@ def _dense_order(value) -> Optional[list]:
     """A tensor's dims from outermost to innermost (size-1 and broadcast dims left out)."""
     if not isinstance(value, torch.Tensor):
         return None
-    def hint(x) -> int:
-        return x if isinstance(x, int) else concrete_hint(x)
-
-    dims = [d for d in range(value.dim()) if hint(value.shape[d]) != 1 and hint(value.stride()[d]) != 0]
-    return sorted(dims, key=lambda d: -hint(value.stride()[d]))
+    dims = [d for d in range(value.dim())
+            if concrete_hint(value.shape[d]) != 1 and concrete_hint(value.stride()[d]) != 0]
+    return sorted(dims, key=lambda d: -concrete_hint(value.stride()[d]))
 
 
 def _in_dim_order(tensor: torch.Tensor, order: list) -> torch.Tensor:

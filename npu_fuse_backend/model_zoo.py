@@ -28,7 +28,8 @@ def _import_transformers():
         if exc.name != "transformers":
             raise
         raise ModuleNotFoundError("npu_fuse's model zoo builds transformers' own model classes, and transformers is "
-                                  "not installed: pip install -e '.[zoo]' (or transformers==5.23.0)", name="transformers") from None
+                                  "not installed: pip install -e '.[zoo]' (or transformers==5.23.0)",
+                                  name="transformers") from None
     return transformers
 
 

@@ -92,7 +92,7 @@ def _plain_sub(node) -> bool:
 
 @dataclasses.dataclass
 class ReducedProduct:
-    """``sum(a * b, dims, keepdim)``; ``sum(a * b, d).unsqueeze(d)`` is the kept sum, ``inner`` its sum node."""
+    """``sum(a * b, dims, keepdim)``; ``sum(a * b, d).unsqueeze(d)`` is the kept sum (``inner``: its sum)."""
 
     product: Node
     dims: list
@@ -103,10 +103,11 @@ class ReducedProduct:
 def sum_of_product(node) -> Optional[ReducedProduct]:
     if is_call(node, aten.unsqueeze.default):
         kept = sum_of_product(node.args[0])
-        if kept is None or kept.keepdim or len(kept.dims) != 1 or not isinstance(node.args[1], int):
+        dim = call_arg(node, 1, "dim")
+        if kept is None or kept.keepdim or len(kept.dims) != 1 or not isinstance(dim, int):
             return None
         rank = node.meta["val"].dim() if isinstance(node.meta.get("val"), torch.Tensor) else None
-        if rank is None or kept.dims[0] % rank != node.args[1] % rank:
+        if rank is None or kept.dims[0] % rank != dim % rank:
             return None  # another dim restored: not the row sum broadcast back
         return ReducedProduct(kept.product, kept.dims, True, (node.args[0],))
     if not is_call(node, aten.sum.dim_IntList) or node.kwargs.get("dtype") is not None:
@@ -531,7 +532,8 @@ class SoftmaxGradFusion(FusionPass):
         grad = _other(m0.args, x1)
         if grad is None:
             return None
-        return SoftmaxBackward(grad, x1, x2, [fma, neg_x1, total, *reduced.inner, m0], reduced.dims, reduced.keepdim)
+        return SoftmaxBackward(grad, x1, x2, [fma, neg_x1, total, *reduced.inner, m0], reduced.dims,
+                               reduced.keepdim)
 
     @staticmethod
     def _from_sub(sub: Node, x1_hint, x2, extra) -> Optional[SoftmaxBackward]:
@@ -553,8 +555,8 @@ class SoftmaxGradFusion(FusionPass):
                     raise NotFused("the scale Mul does not share x1 with the first Mul")
             elif x1_hint is not x1:
                 raise NotFused("the Mul after the Sub does not share x1 with the first Mul")
-            return SoftmaxBackward(grad, x1, x2, [*extra, sub, total, *reduced.inner, reduced.product], reduced.dims,
-                                   reduced.keepdim)
+            return SoftmaxBackward(grad, x1, x2, [*extra, sub, total, *reduced.inner, reduced.product],
+                                   reduced.dims, reduced.keepdim)
         return None
 
     @staticmethod
@@ -573,7 +575,8 @@ class SoftmaxGradFusion(FusionPass):
             grad = _other(m0_ops, x1)
             if grad is None:
                 return None
-            return SoftmaxBackward(grad, x1, x2, [sub, scaled, total, *reduced.inner, m0], reduced.dims, reduced.keepdim)
+            return SoftmaxBackward(grad, x1, x2, [sub, scaled, total, *reduced.inner, m0], reduced.dims,
+                                   reduced.keepdim)
         return None
 
     def _unscaled_core(self, node: Node) -> Optional[SoftmaxBackward]:
